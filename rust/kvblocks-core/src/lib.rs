@@ -1,0 +1,24 @@
+//! kvblocks-core: vLLM 0.33.0's KV-cache block management in plain Rust.
+//!
+//! No Python here: `cargo test` exercises all of it. The PyO3 crate `kvblocks-py`
+//! only converts arguments and delegates to these modules.
+//!
+//! * [`free_queue`] — the index-linked LRU free list with head/tail sentinels.
+//! * [`block_hash`] — fixed-size block hash values.
+//! * [`prefix_map`] — hash + group id → cached blocks, duplicates in insertion order.
+//! * [`pool`] — the block pool: ref counts, allocation, frees, touch, caching, eviction.
+//! * [`hashing`] — vLLM-identical block hashing (pickle / CBOR serialisation, SHA-256, xxh3).
+//! * [`manager`] — the request-level KV cache manager for one full-attention group.
+//! * [`rollback`] — rolling requests back past KV blocks whose load failed.
+
+pub mod block_hash;
+pub mod error;
+pub mod free_queue;
+pub mod hashing;
+pub mod manager;
+pub mod pool;
+pub mod prefix_map;
+pub mod rollback;
+
+pub use block_hash::BlockHash;
+pub use error::{Error, ErrorKind, Result};

@@ -1,0 +1,35 @@
+"""One test suite, two backends: every test that takes ``backend`` runs on both."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+BACKEND_MODULES = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
+
+
+@pytest.fixture(params=sorted(BACKEND_MODULES), ids=lambda name: f"backend={name}")
+def backend(request: pytest.FixtureRequest) -> ModuleType:
+    """The backend module under test: ``kvblocks.reference`` or ``kvblocks._native``."""
+    return importlib.import_module(BACKEND_MODULES[request.param])
+
+
+def load_golden(name: str) -> list[dict[str, Any]]:
+    """All cases of ``tests/golden/<name>.jsonl``, in file order."""
+    path = GOLDEN_DIR / f"{name}.jsonl"
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def golden_params(name: str) -> Iterator[Any]:
+    """``pytest.param`` per golden case, with an id naming file and line."""
+    for i, case in enumerate(load_golden(name)):
+        yield pytest.param(case, id=f"{name}:{i + 1}")
