@@ -1,5 +1,8 @@
 //! `kvblocks._native`: PyO3 bindings of kvblocks-core. Conversions and delegation only.
 
+mod convert;
+mod errors;
+
 use pyo3::prelude::*;
 
 #[pymodule]

@@ -1,0 +1,221 @@
+//! Argument conversion: Python ints, lists of ints and NumPy-style int arrays into
+//! Rust slices, without a Python object per element where it can be avoided.
+//!
+//! * a `list` or `tuple` of ints is read item by item (one C call per item, no copy of
+//!   the objects);
+//! * anything exporting a one-dimensional C-contiguous integer buffer (NumPy arrays,
+//!   `array.array`, `memoryview`) is read in place when its items are native `i64`, and
+//!   widened into a `Vec<i64>` otherwise;
+//! * any other iterable is iterated, and each item converted as `operator.index` would.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ops::Deref;
+use std::ptr;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+/// A column of `i64`s borrowed from a Python buffer or converted into a `Vec`.
+pub enum IntColumn {
+    /// Converted items.
+    Owned(Vec<i64>),
+    /// Native `i64` items read in place from a buffer, released on drop.
+    Borrowed(BufferView),
+}
+
+impl Deref for IntColumn {
+    type Target = [i64];
+
+    fn deref(&self) -> &[i64] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Borrowed(b) => b.as_i64(),
+        }
+    }
+}
+
+/// Converts `obj` (an iterable of ints or an integer buffer) into a column of `i64`.
+///
+/// # Errors
+/// `TypeError` when an item is not an int, `OverflowError` when it does not fit in 64 bits.
+pub fn int_column(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().map(|x| x.extract::<i64>()).collect::<PyResult<_>>().map(IntColumn::Owned);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().map(|x| x.extract::<i64>()).collect::<PyResult<_>>().map(IntColumn::Owned);
+    }
+    if let Some(view) = BufferView::get(obj) {
+        return Ok(match view.kind {
+            ItemKind::I64 => IntColumn::Borrowed(view),
+            _ => IntColumn::Owned(view.to_vec()),
+        });
+    }
+    obj.try_iter()?
+        .map(|x| x?.extract::<i64>())
+        .collect::<PyResult<_>>()
+        .map(IntColumn::Owned)
+}
+
+/// The integer item types a buffer may hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ItemKind {
+    I8,
+    U8,
+    I16,
+    U16,
+    I32,
+    U32,
+    I64,
+    U64,
+}
+
+impl ItemKind {
+    /// Decodes a `struct`-module format string of one native-order integer item.
+    fn parse(format: &CStr, itemsize: isize) -> Option<Self> {
+        let bytes = format.to_bytes();
+        let code = match bytes {
+            [c] => *c,
+            // '@' and '=' are native order; '<' is native on the little-endian targets
+            // this is built for, and any other prefix is refused (read by iteration).
+            [b'@' | b'=', c] => *c,
+            [b'<', c] if cfg!(target_endian = "little") => *c,
+            _ => return None,
+        };
+        let kind = match (code, itemsize) {
+            (b'b', 1) => Self::I8,
+            (b'B', 1) => Self::U8,
+            (b'h', 2) => Self::I16,
+            (b'H', 2) => Self::U16,
+            (b'i' | b'l', 4) => Self::I32,
+            (b'I' | b'L', 4) => Self::U32,
+            (b'l' | b'q' | b'n', 8) => Self::I64,
+            (b'L' | b'Q' | b'N', 8) => Self::U64,
+            _ => return None,
+        };
+        Some(kind)
+    }
+}
+
+/// CPython's `Py_buffer`. Declared here because PyO3 exposes the buffer protocol only
+/// for the 3.11+ stable ABI, while kvblocks ships one abi3 wheel for 3.10+. The layout
+/// and both functions are unchanged since Python 3.0 and exported by every CPython.
+#[repr(C)]
+struct RawBuffer {
+    buf: *mut c_void,
+    obj: *mut ffi::PyObject,
+    len: ffi::Py_ssize_t,
+    itemsize: ffi::Py_ssize_t,
+    readonly: c_int,
+    ndim: c_int,
+    format: *mut c_char,
+    shape: *mut ffi::Py_ssize_t,
+    strides: *mut ffi::Py_ssize_t,
+    suboffsets: *mut ffi::Py_ssize_t,
+    internal: *mut c_void,
+}
+
+extern "C" {
+    fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
+    fn PyBuffer_Release(view: *mut RawBuffer);
+}
+
+const PYBUF_FORMAT: c_int = 0x0004;
+const PYBUF_ND: c_int = 0x0008;
+const PYBUF_STRIDES: c_int = 0x0010 | PYBUF_ND;
+const PYBUF_C_CONTIGUOUS: c_int = 0x0020 | PYBUF_STRIDES;
+
+/// A held, one-dimensional, C-contiguous integer buffer.
+pub struct BufferView {
+    raw: Box<RawBuffer>,
+    kind: ItemKind,
+    len: usize,
+}
+
+impl BufferView {
+    /// Requests a buffer from `obj`; `None` (with no Python error set) when `obj` has
+    /// none or it is not a 1-D contiguous array of integers.
+    fn get(obj: &Bound<'_, PyAny>) -> Option<Self> {
+        let mut raw = Box::new(RawBuffer {
+            buf: ptr::null_mut(),
+            obj: ptr::null_mut(),
+            len: 0,
+            itemsize: 0,
+            readonly: 0,
+            ndim: 0,
+            format: ptr::null_mut(),
+            shape: ptr::null_mut(),
+            strides: ptr::null_mut(),
+            suboffsets: ptr::null_mut(),
+            internal: ptr::null_mut(),
+        });
+        // SAFETY: `obj` is a live object and we hold the GIL (we have a `Bound`); `raw`
+        // is a writable Py_buffer-shaped struct that outlives the call.
+        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &raw mut *raw, PYBUF_C_CONTIGUOUS | PYBUF_FORMAT) };
+        if rc != 0 {
+            // Not a buffer, or not a contiguous one: the caller falls back to iteration.
+            // SAFETY: GIL held; clears the BufferError/TypeError the request raised.
+            unsafe { ffi::PyErr_Clear() };
+            return None;
+        }
+        let kind = if raw.ndim == 1 && !raw.format.is_null() {
+            // SAFETY: with PYBUF_FORMAT a non-null format is a NUL-terminated C string
+            // owned by the exporter for the lifetime of the view.
+            ItemKind::parse(unsafe { CStr::from_ptr(raw.format) }, raw.itemsize)
+        } else {
+            None
+        };
+        let len = usize::try_from(raw.len / raw.itemsize.max(1)).unwrap_or(0);
+        let view = Self { raw, kind: kind.unwrap_or(ItemKind::I64), len };
+        // Dropping `view` releases the buffer when it is not an integer vector.
+        kind.map(|_| view)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 || self.raw.buf.is_null() {
+            return &[];
+        }
+        // SAFETY: the exporter guarantees `len` readable bytes at `buf` while the view
+        // is held, and we hold it until drop.
+        unsafe { std::slice::from_raw_parts(self.raw.buf.cast::<u8>(), usize::try_from(self.raw.len).unwrap_or(0)) }
+    }
+
+    fn as_i64(&self) -> &[i64] {
+        debug_assert!(self.kind == ItemKind::I64);
+        if self.len == 0 || self.raw.buf.is_null() {
+            return &[];
+        }
+        // SAFETY: a C-contiguous buffer of `len` native i64 items; exporters allocate
+        // item-aligned memory (NumPy and array.array both do), checked in debug builds.
+        debug_assert!(self.raw.buf.cast::<i64>().is_aligned());
+        unsafe { std::slice::from_raw_parts(self.raw.buf.cast::<i64>(), self.len) }
+    }
+
+    fn to_vec(&self) -> Vec<i64> {
+        let b = self.bytes();
+        match self.kind {
+            ItemKind::I8 => b.iter().map(|&x| i64::from(x.cast_signed())).collect(),
+            ItemKind::U8 => b.iter().map(|&x| i64::from(x)).collect(),
+            ItemKind::I16 => b.chunks_exact(2).map(|c| i64::from(i16::from_ne_bytes([c[0], c[1]]))).collect(),
+            ItemKind::U16 => b.chunks_exact(2).map(|c| i64::from(u16::from_ne_bytes([c[0], c[1]]))).collect(),
+            ItemKind::I32 => b.chunks_exact(4).map(|c| i64::from(i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+            ItemKind::U32 => b.chunks_exact(4).map(|c| i64::from(u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+            // Values above i64::MAX cannot be block ids or counts; saturating keeps them
+            // out of range so validation names them as such.
+            ItemKind::U64 => b
+                .chunks_exact(8)
+                .map(|c| i64::try_from(u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).unwrap_or(i64::MAX))
+                .collect(),
+            ItemKind::I64 => self.as_i64().to_vec(),
+        }
+    }
+}
+
+impl Drop for BufferView {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released
+        // exactly once. Views are only created and dropped while the GIL is held.
+        unsafe { PyBuffer_Release(&raw mut *self.raw) };
+    }
+}
