@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,7 +28,8 @@ def load_golden(name: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def golden_params(name: str) -> Iterator[Any]:
+def golden_params(name: str) -> list[Any]:
     """``pytest.param`` per golden case, with an id naming file and line."""
-    for i, case in enumerate(load_golden(name)):
-        yield pytest.param(case, id=f"{name}:{i + 1}")
+    return [
+        pytest.param(case, id=f"{name}:{i + 1}") for i, case in enumerate(load_golden(name))
+    ]

@@ -40,9 +40,12 @@ def pool_state(pool: Any, with_free_order: bool) -> dict[str, Any]:
             ref_cnt[str(block_id)] = block.ref_cnt
         if block.block_hash is not None:
             cached[str(block_id)] = f"{block.block_hash.hex()}:{block.group_id}"
+    usage = pool.get_usage()
+    assert usage == 1.0 - pool.get_num_free_blocks() / (pool.num_blocks - 1)
     state: dict[str, Any] = {
         "num_free": pool.get_num_free_blocks(),
-        "usage": pool.get_usage(),
+        # The generator rounded usage to 12 decimal places.
+        "usage": round(usage, 12),
         "ref_cnt": ref_cnt,
         "cached": cached,
     }

@@ -2,10 +2,14 @@
 
 mod convert;
 mod errors;
+mod pool;
 
 use pyo3::prelude::*;
 
 #[pymodule]
-fn _native(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::PyBlockPool>()?;
+    m.add_class::<pool::PyKVCacheBlock>()?;
+    m.add("__all__", ["BlockPool", "KVCacheBlock"])?;
     Ok(())
 }

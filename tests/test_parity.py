@@ -1,0 +1,94 @@
+"""Both backends export the same API: names, signatures, defaults, docstrings, errors."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+import kvblocks
+from kvblocks import _native, reference
+
+
+def public_members(obj: Any) -> list[str]:
+    return sorted(
+        name
+        for name in dir(obj)
+        if not name.startswith("_") or name in ("__init__", "__call__", "__getitem__", "__len__")
+    )
+
+
+def signature(obj: Any) -> str:
+    return str(inspect.signature(obj))
+
+
+@pytest.mark.parametrize("name", kvblocks.BACKEND_NAMES)
+def test_every_backend_name_exists(name: str) -> None:
+    assert hasattr(reference, name), f"kvblocks.reference has no {name}"
+    assert hasattr(_native, name), f"kvblocks._native has no {name}"
+
+
+def test_backends_export_exactly_the_backend_names() -> None:
+    assert sorted(reference.__all__) == sorted(kvblocks.BACKEND_NAMES)
+    assert sorted(_native.__all__) == sorted(kvblocks.BACKEND_NAMES)
+
+
+@pytest.mark.parametrize("name", kvblocks.BACKEND_NAMES)
+def test_same_kind_docstring_and_signature(name: str) -> None:
+    py_obj, rs_obj = getattr(reference, name), getattr(_native, name)
+    assert isinstance(py_obj, type) == isinstance(rs_obj, type), name
+    assert inspect.getdoc(py_obj) == inspect.getdoc(rs_obj), f"docstring of {name}"
+    if isinstance(py_obj, type):
+        assert signature(py_obj) == signature(rs_obj), f"constructor of {name}"
+    else:
+        assert signature(py_obj) == signature(rs_obj), name
+
+
+def class_members() -> list[tuple[str, str]]:
+    return [
+        (cls, member)
+        for cls in kvblocks.BACKEND_NAMES
+        if isinstance(getattr(reference, cls), type)
+        for member in public_members(getattr(reference, cls))
+        if member != "__init__"
+    ]
+
+
+@pytest.mark.parametrize("cls", [n for n in kvblocks.BACKEND_NAMES if isinstance(getattr(reference, n), type)])
+def test_classes_have_the_same_public_members(cls: str) -> None:
+    py_members = set(public_members(getattr(reference, cls)))
+    rs_members = set(public_members(getattr(_native, cls)))
+    # Dataclass machinery is not API.
+    ignored = {"__init__"}
+    assert py_members - ignored == rs_members - ignored, cls
+
+
+@pytest.mark.parametrize(("cls", "member"), class_members())
+def test_members_match(cls: str, member: str) -> None:
+    py_attr = inspect.getattr_static(getattr(reference, cls), member)
+    rs_attr = inspect.getattr_static(getattr(_native, cls), member)
+    py_doc = inspect.getdoc(getattr(getattr(reference, cls), member))
+    rs_doc = inspect.getdoc(getattr(getattr(_native, cls), member))
+    assert py_doc == rs_doc, f"docstring of {cls}.{member}"
+    py_callable = inspect.isfunction(py_attr) or isinstance(py_attr, (staticmethod, classmethod))
+    if py_callable:
+        assert callable(getattr(getattr(_native, cls), member)), f"{cls}.{member}"
+        assert signature(getattr(getattr(reference, cls), member)) == signature(
+            getattr(getattr(_native, cls), member)
+        ), f"signature of {cls}.{member}"
+    else:
+        assert not inspect.isroutine(rs_attr), f"{cls}.{member} is a method in Rust only"
+
+
+def test_native_raises_the_shared_error_classes() -> None:
+    for backend in (reference, _native):
+        with pytest.raises(kvblocks.NoFreeBlocksError):
+            backend.BlockPool(4).get_new_blocks(4)
+        with pytest.raises(kvblocks.UnknownBlockError):
+            backend.BlockPool(4).touch([9])
+        pool = backend.BlockPool(4)
+        ids = pool.get_new_blocks(1)
+        pool.free_blocks(ids)
+        with pytest.raises(kvblocks.BlockStateError):
+            pool.free_blocks(ids)
