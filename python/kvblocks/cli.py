@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import kvblocks
 
@@ -63,9 +64,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvblocks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="a short walk through allocation, sharing and eviction")
+    bench = sub.add_parser(
+        "bench", help="time every workload on both backends, side by side, in one process"
+    )
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, 3 rounds (< 1 min)")
+    bench.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only workloads whose name starts with NAME (repeatable)",
+    )
+    bench.add_argument("--rounds", type=int, default=None, help="rounds per workload")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write results.json, results.md and results.png there",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo()
+    if args.command == "bench":
+        from kvblocks import bench as bench_module
+
+        return bench_module.main(args.workload, args.quick, args.rounds, args.out)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -1,1 +1,658 @@
-//! (being written)
+//! The request-level KV cache manager for one full-attention group: vLLM 0.33.0's
+//! `KVCacheManager` with a `UnitaryKVCacheCoordinator` and one `FullAttentionManager`.
+//!
+//! A request's block table is a `Vec<u32>` owned here, keyed by request id. Requests
+//! are read through a [`RequestView`], whose block hashes come from a [`HashSource`]
+//! asked only for the hashes a call needs, so a binding never converts a whole hash
+//! list per step.
+//!
+//! Every method validates first and mutates after: an `Err` (and an `Ok(None)` from
+//! [`KVCacheManager::allocate_slots`]) means nothing changed.
+//!
+//! Invariants (checked by [`KVCacheManager::check_invariants`]):
+//! * the pool's own invariants hold;
+//! * tables never hold the null block, and each table entry is one reference: a
+//!   block's ref count is at least the number of table entries naming it;
+//! * a request's cached-block count never exceeds its table length.
+
+use std::ops::Range;
+
+use rustc_hash::FxHashMap;
+
+use crate::block_hash::BlockHash;
+use crate::error::{Error, Result};
+use crate::free_queue::ix;
+use crate::pool::{BlockPool, NULL_BLOCK_ID};
+
+/// The KV cache group id of the single full-attention group.
+const GROUP_ID: u32 = 0;
+
+/// How many hashes [`KVCacheManager::get_computed_blocks`] fetches at a time: most
+/// lookups stop early, so there is no point in converting a whole prompt's hashes.
+const LOOKUP_CHUNK: usize = 32;
+
+/// A request's full-block hashes, in block order (vLLM's `request.block_hashes`).
+///
+/// Implementations may convert lazily (e.g. from a Python list): the manager asks only
+/// for the ranges it needs, always within `0 .. num_hashes()`.
+pub trait HashSource {
+    /// How many block hashes the request has.
+    fn num_hashes(&self) -> usize;
+
+    /// Appends the hashes in `range` to `out`.
+    ///
+    /// # Errors
+    /// Any error the conversion hits (e.g. [`Error::HashTooLong`]). The manager passes
+    /// it on unchanged, having changed nothing.
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> Result<()>;
+}
+
+impl HashSource for [BlockHash] {
+    fn num_hashes(&self) -> usize {
+        self.len()
+    }
+
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> Result<()> {
+        let (start, end) = (range.start, range.end);
+        let slice = self.get(range).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "block hash range {start}..{end} is outside the {} hashes given",
+                self.len()
+            ))
+        })?;
+        out.extend_from_slice(slice);
+        Ok(())
+    }
+}
+
+/// What the manager reads of a request (vLLM's duck-typed `Request`).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a, H: ?Sized> {
+    /// The request id.
+    pub request_id: &'a str,
+    /// Prompt plus output tokens so far.
+    pub num_tokens: i64,
+    /// Tokens whose KV is computed (or scheduled) before this call.
+    pub num_computed_tokens: i64,
+    /// The hashes of the request's full blocks.
+    pub block_hashes: &'a H,
+}
+
+/// The optional arguments of [`KVCacheManager::allocate_slots`], vLLM's defaults
+/// being `Default::default()` (with `num_new_tokens` set by the caller).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SlotRequest<'a> {
+    /// Tokens to compute in this step.
+    pub num_new_tokens: i64,
+    /// Tokens newly found in the local prefix cache (`new_computed_blocks` hold them).
+    pub num_new_computed_tokens: i64,
+    /// The prefix-cache hits from [`KVCacheManager::get_computed_blocks`].
+    pub new_computed_blocks: &'a [i64],
+    /// Extra slots for speculative tokens.
+    pub num_lookahead_tokens: i64,
+    /// Tokens a KV connector will load.
+    pub num_external_computed_tokens: i64,
+    /// Skip caching the full blocks (an asynchronous KV load is pending).
+    pub delay_cache_blocks: bool,
+}
+
+/// Prefix-cache counters since the last [`KVCacheManager::make_prefix_cache_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Whether the prefix cache was reset meanwhile.
+    pub reset: bool,
+    /// Requests recorded.
+    pub requests: u64,
+    /// Tokens looked up.
+    pub queries: u64,
+    /// Tokens found cached.
+    pub hits: u64,
+}
+
+/// `allocate_slots` with nothing to place (vLLM's message).
+const NOTHING_TO_PLACE: &str =
+    "num_new_tokens must be greater than 0 when there are no computed tokens to adopt";
+
+/// The validated token layout of one `allocate_slots` call.
+#[derive(Debug, Clone, Copy)]
+struct SlotCounts {
+    /// The request's tokens.
+    num_tokens: usize,
+    /// Tokens a KV connector loads.
+    num_external: usize,
+    /// Computed + new computed + external, capped at `max_model_len`.
+    total_computed: usize,
+    /// `total_computed` + new tokens.
+    main_tokens: usize,
+    /// Blocks the table needs to hold the slots (lookahead included).
+    required: usize,
+}
+
+/// One request's state (vLLM's `req_to_blocks` and `num_cached_block` entries).
+#[derive(Debug, Clone, Default)]
+struct RequestBlocks {
+    /// The block table, in token order.
+    blocks: Vec<u32>,
+    /// Leading blocks already cached; `None` while vLLM has no `num_cached_block`
+    /// entry, which makes the request count as new for computed-block adoption.
+    num_cached: Option<usize>,
+}
+
+/// vLLM 0.33.0's `KVCacheManager` for one full-attention KV cache group.
+#[derive(Debug, Clone)]
+pub struct KVCacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    max_model_len: Option<usize>,
+    /// `Some` iff stats are logged.
+    stats: Option<PrefixCacheStats>,
+    requests: FxHashMap<String, RequestBlocks>,
+}
+
+fn non_negative(name: &'static str, value: i64) -> Result<usize> {
+    usize::try_from(value).map_err(|_| Error::Negative { name, value })
+}
+
+fn positive(name: &'static str, value: i64) -> Result<usize> {
+    usize::try_from(value)
+        .ok()
+        .filter(|&v| v > 0)
+        .ok_or(Error::NonPositive { name, value })
+}
+
+impl KVCacheManager {
+    /// A manager over a fresh pool of `num_blocks` blocks of `block_size` tokens.
+    ///
+    /// # Errors
+    /// [`Error::NonPositive`] for `num_blocks`, `block_size` or `max_model_len` <= 0;
+    /// pool construction errors.
+    pub fn new(
+        num_blocks: i64,
+        block_size: i64,
+        enable_caching: bool,
+        max_model_len: Option<i64>,
+        log_stats: bool,
+    ) -> Result<Self> {
+        if num_blocks <= 0 {
+            return Err(Error::NonPositive {
+                name: "num_blocks",
+                value: num_blocks,
+            });
+        }
+        let block_size = positive("block_size", block_size)?;
+        let max_model_len = max_model_len
+            .map(|m| positive("max_model_len", m))
+            .transpose()?;
+        Ok(Self {
+            pool: BlockPool::new(num_blocks, enable_caching)?,
+            block_size,
+            max_model_len,
+            stats: log_stats.then(PrefixCacheStats::default),
+            requests: FxHashMap::default(),
+        })
+    }
+
+    /// The block pool.
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The block pool, mutably. Holding references the manager does not know about
+    /// (e.g. touching blocks) is allowed; freeing blocks a request table still holds
+    /// makes a later [`KVCacheManager::free`] of that request fail.
+    pub fn block_pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The maximum model length, if one was given.
+    pub fn max_model_len(&self) -> Option<usize> {
+        self.max_model_len
+    }
+
+    /// Whether prefix caching is enabled.
+    pub fn enable_caching(&self) -> bool {
+        self.pool.enable_caching()
+    }
+
+    /// Whether prefix-cache stats are logged.
+    pub fn log_stats(&self) -> bool {
+        self.stats.is_some()
+    }
+
+    /// Always 1: one full-attention group.
+    pub fn num_kv_cache_groups(&self) -> usize {
+        1
+    }
+
+    /// The number of requests holding a block table.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The pool's usage, `1 - free / (num_blocks - 1)`.
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// The longest chain of cached block hashes from block 0, capped so that the last
+    /// token is always recomputed: `(block ids, hit tokens)`. Touches nothing.
+    ///
+    /// # Errors
+    /// [`Error::Negative`] (`num_tokens`); errors of the request's [`HashSource`].
+    pub fn get_computed_blocks<H: HashSource + ?Sized>(
+        &self,
+        request: &RequestView<'_, H>,
+    ) -> Result<(Vec<u32>, usize)> {
+        let num_tokens = non_negative("num_tokens", request.num_tokens)?;
+        let mut hits = Vec::new();
+        if !self.pool.enable_caching() {
+            return Ok((hits, 0));
+        }
+        let max_blocks =
+            (num_tokens.saturating_sub(1) / self.block_size).min(request.block_hashes.num_hashes());
+        let mut chunk = Vec::with_capacity(LOOKUP_CHUNK.min(max_blocks));
+        'scan: for start in (0..max_blocks).step_by(LOOKUP_CHUNK) {
+            chunk.clear();
+            let end = start.saturating_add(LOOKUP_CHUNK).min(max_blocks);
+            request.block_hashes.hashes(start..end, &mut chunk)?;
+            for hash in chunk.iter().take(end - start) {
+                // Hashes chain, so every block after the first miss misses too.
+                let Some(block) = self.pool.cached_block(hash, GROUP_ID) else {
+                    break 'scan;
+                };
+                hits.push(block);
+            }
+            if chunk.len() < end - start {
+                break;
+            }
+        }
+        let hit_tokens = hits.len() * self.block_size;
+        Ok((hits, hit_tokens))
+    }
+
+    /// vLLM's `allocate_slots`: adopts the prefix-cache hits (touching them), allocates
+    /// blocks for external and new tokens, and caches the request's full blocks unless
+    /// `delay_cache_blocks`. Returns only the newly allocated block ids (not the hits),
+    /// or `None` when they do not fit, in which case nothing changed.
+    ///
+    /// # Errors
+    /// [`Error::Negative`] for a negative count (the request's too);
+    /// [`Error::InvalidArgument`] when there are no tokens at all to place, or computed
+    /// blocks are given to a request that cannot adopt them (it already holds blocks,
+    /// or caching is off), or they include the null block; [`Error::UnknownBlock`] for
+    /// a computed block out of range; [`Error::AlreadyHashed`] if a block to be cached
+    /// was hashed behind the manager's back; errors of the [`HashSource`].
+    pub fn allocate_slots<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        args: &SlotRequest<'_>,
+    ) -> Result<Option<Vec<u32>>> {
+        let counts = self.slot_counts(request, args)?;
+        let hits = self.check_hits(args.new_computed_blocks)?;
+        let id = request.request_id;
+        let adopts = self.check_adoption(id, &hits, counts.num_external)?;
+        let state = self.requests.get(id);
+        let held = state.map_or(0, |s| s.blocks.len());
+        let required = counts.required;
+        let table_after_adopt = if adopts { hits.len() } else { held };
+        let evictable = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_cnt_of(b) == 0)
+            .count();
+        let to_allocate = required
+            .saturating_sub(table_after_adopt)
+            .saturating_add(evictable);
+        if to_allocate > self.pool.num_free_blocks() {
+            return Ok(None);
+        }
+
+        // Everything the caching step needs is fetched and checked before mutating.
+        let table_len = table_after_adopt.max(required);
+        let cache_plan = if self.pool.enable_caching() && !args.delay_cache_blocks {
+            let num_cached = if adopts {
+                hits.len()
+            } else {
+                state.and_then(|s| s.num_cached).unwrap_or(0)
+            };
+            let cache_tokens = counts.main_tokens.min(counts.num_tokens);
+            self.plan_caching(
+                request,
+                state.map_or(&[][..], |s| &s.blocks),
+                num_cached,
+                cache_tokens,
+                table_len,
+            )?
+        } else {
+            None
+        };
+        if adopts {
+            self.pool.touch_ids(hits.iter().copied(), hits.len())?;
+        }
+
+        // Validation done: from here on nothing can fail. (Look up before inserting, so
+        // a running request's step does not allocate a key string.)
+        if !self.requests.contains_key(id) {
+            self.requests
+                .insert(id.to_owned(), RequestBlocks::default());
+        }
+        let Some(entry) = self.requests.get_mut(id) else {
+            return Err(Error::Invariant(format!("request {id} vanished")));
+        };
+        if adopts {
+            entry.blocks.extend_from_slice(&hits);
+            entry.num_cached = Some(entry.blocks.len());
+            if counts.num_external > 0 {
+                let n = counts
+                    .total_computed
+                    .div_ceil(self.block_size)
+                    .saturating_sub(entry.blocks.len());
+                self.pool.get_new_blocks_into(n, &mut entry.blocks)?;
+            }
+        }
+        let first_new = entry.blocks.len();
+        self.pool
+            .get_new_blocks_into(required.saturating_sub(first_new), &mut entry.blocks)?;
+        let allocated = entry.blocks[first_new..].to_vec();
+        if let Some((range, hashes)) = cache_plan {
+            // The plan never reaches past the table (`table_len` is its final length).
+            let Some(blocks) = entry.blocks.get(range.clone()) else {
+                return Err(Error::Invariant(format!(
+                    "request {id}: cache range past its table"
+                )));
+            };
+            self.pool.cache_ids(blocks, &hashes, GROUP_ID)?;
+            entry.num_cached = Some(range.end);
+        }
+        Ok(Some(allocated))
+    }
+
+    /// Caches the request's full blocks covering its first `num_computed_tokens`
+    /// tokens (vLLM's `cache_blocks`). A no-op with caching off.
+    ///
+    /// # Errors
+    /// [`Error::Negative`]; [`Error::TooManyFullBlocks`] when those tokens reach past
+    /// the request's block table; [`Error::AlreadyHashed`] if a block was hashed behind
+    /// the manager's back; errors of the [`HashSource`].
+    pub fn cache_blocks<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        num_computed_tokens: i64,
+    ) -> Result<()> {
+        let num_tokens = non_negative("num_computed_tokens", num_computed_tokens)?;
+        if !self.pool.enable_caching() {
+            return Ok(());
+        }
+        let state = self.requests.get(request.request_id);
+        let blocks = state.map_or(&[][..], |s| &s.blocks);
+        let num_cached = state.and_then(|s| s.num_cached).unwrap_or(0);
+        let full = num_tokens.min(
+            request
+                .block_hashes
+                .num_hashes()
+                .saturating_mul(self.block_size),
+        ) / self.block_size;
+        if full > blocks.len() {
+            return Err(Error::TooManyFullBlocks {
+                num_full_blocks: full,
+                num_block_ids: blocks.len(),
+            });
+        }
+        let Some((range, hashes)) =
+            self.plan_caching(request, blocks, num_cached, num_tokens, blocks.len())?
+        else {
+            return Ok(());
+        };
+        let Some(to_cache) = blocks.get(range.clone()) else {
+            return Err(Error::TooManyFullBlocks {
+                num_full_blocks: range.end,
+                num_block_ids: blocks.len(),
+            });
+        };
+        self.pool.cache_ids(to_cache, &hashes, GROUP_ID)?;
+        if let Some(entry) = self.requests.get_mut(request.request_id) {
+            entry.num_cached = Some(range.end);
+        }
+        Ok(())
+    }
+
+    /// Frees the request's blocks, tail first (so a chain's tail is evicted before its
+    /// parents). Unknown requests are a no-op.
+    ///
+    /// # Errors
+    /// [`Error::DoubleFree`] if blocks of the table were freed behind the manager's
+    /// back; the request then keeps its table.
+    pub fn free(&mut self, request_id: &str) -> Result<()> {
+        let Some((key, state)) = self.requests.remove_entry(request_id) else {
+            return Ok(());
+        };
+        if let Err(e) = self.pool.free_ids(state.blocks.iter().rev().copied()) {
+            self.requests.insert(key, state);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The request's block table (empty for an unknown request).
+    pub fn get_block_ids(&self, request_id: &str) -> &[u32] {
+        self.requests.get(request_id).map_or(&[], |s| &s.blocks)
+    }
+
+    /// Every request with its block table, in no particular order.
+    pub fn block_tables(&self) -> impl Iterator<Item = (&str, &[u32])> + '_ {
+        self.requests
+            .iter()
+            .map(|(id, s)| (id.as_str(), s.blocks.as_slice()))
+    }
+
+    /// [`BlockPool::evict_blocks`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id out of range.
+    pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
+        self.pool.evict_blocks(block_ids)
+    }
+
+    /// [`BlockPool::reset_prefix_cache`]; on success also marks the stats as reset.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.pool.reset_prefix_cache() {
+            return false;
+        }
+        if let Some(stats) = &mut self.stats {
+            stats.reset = true;
+        }
+        true
+    }
+
+    /// Records one admitted request: `queries += num_tokens`, `hits += num_hits`. A
+    /// no-op (after validation) without stats logging.
+    ///
+    /// # Errors
+    /// [`Error::Negative`] for a negative `num_hits` or token count;
+    /// [`Error::InvalidArgument`] when `num_hits` exceeds the request's tokens.
+    pub fn record_prefix_cache_stats<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        num_hits: i64,
+    ) -> Result<()> {
+        let queries = non_negative("num_tokens", request.num_tokens)?;
+        let hits = non_negative("num_hits", num_hits)?;
+        if hits > queries {
+            return Err(Error::InvalidArgument(format!(
+                "num_hits {hits} exceeds the request's {queries} tokens"
+            )));
+        }
+        if let Some(stats) = &mut self.stats {
+            // Counters only grow; saturating keeps a pathological run panic-free.
+            stats.requests = stats.requests.saturating_add(1);
+            stats.queries = stats
+                .queries
+                .saturating_add(u64::try_from(queries).unwrap_or(u64::MAX));
+            stats.hits = stats
+                .hits
+                .saturating_add(u64::try_from(hits).unwrap_or(u64::MAX));
+        }
+        Ok(())
+    }
+
+    /// The stats since the last call, zeroing them; `None` without stats logging.
+    pub fn make_prefix_cache_stats(&mut self) -> Option<PrefixCacheStats> {
+        self.stats.as_mut().map(std::mem::take)
+    }
+
+    /// Checks the pool's invariants and the tables against it.
+    ///
+    /// # Errors
+    /// [`Error::Invariant`] naming the first broken rule.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.pool.check_invariants()?;
+        let mut holders = vec![0u32; ix(self.pool.num_blocks())];
+        for (id, state) in &self.requests {
+            if state.num_cached.is_some_and(|c| c > state.blocks.len()) {
+                return Err(Error::Invariant(format!(
+                    "request {id} has more cached blocks than table entries"
+                )));
+            }
+            for &block in &state.blocks {
+                if block == NULL_BLOCK_ID {
+                    return Err(Error::Invariant(format!(
+                        "request {id} holds the null block"
+                    )));
+                }
+                let Some(count) = holders.get_mut(ix(block)) else {
+                    return Err(Error::Invariant(format!(
+                        "request {id} holds unknown block {block}"
+                    )));
+                };
+                *count += 1;
+            }
+        }
+        for (block, &count) in (0u32..).zip(&holders) {
+            if self.pool.ref_cnt_of(block) < count {
+                return Err(Error::Invariant(format!(
+                    "block {block} is in {count} block tables but has ref count {}",
+                    self.pool.ref_cnt_of(block)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates the counts of an `allocate_slots` call and lays out its tokens:
+    /// `| computed | new computed | external | new | lookahead |`, capped at
+    /// `max_model_len`.
+    fn slot_counts<H: HashSource + ?Sized>(
+        &self,
+        request: &RequestView<'_, H>,
+        args: &SlotRequest<'_>,
+    ) -> Result<SlotCounts> {
+        let num_new = non_negative("num_new_tokens", args.num_new_tokens)?;
+        let new_computed = non_negative("num_new_computed_tokens", args.num_new_computed_tokens)?;
+        let lookahead = non_negative("num_lookahead_tokens", args.num_lookahead_tokens)?;
+        let num_external = non_negative(
+            "num_external_computed_tokens",
+            args.num_external_computed_tokens,
+        )?;
+        let num_tokens = non_negative("num_tokens", request.num_tokens)?;
+        let num_computed = non_negative("num_computed_tokens", request.num_computed_tokens)?;
+        if num_new == 0 && num_external == 0 && new_computed == 0 {
+            return Err(Error::InvalidArgument(NOTHING_TO_PLACE.to_owned()));
+        }
+        let cap = |n: usize| self.max_model_len.map_or(n, |m| n.min(m));
+        let total_computed = cap(num_computed
+            .saturating_add(new_computed)
+            .saturating_add(num_external));
+        let main_tokens = total_computed.saturating_add(num_new);
+        let slot_tokens = cap(main_tokens.saturating_add(lookahead));
+        Ok(SlotCounts {
+            num_tokens,
+            num_external,
+            total_computed,
+            main_tokens,
+            required: slot_tokens.div_ceil(self.block_size),
+        })
+    }
+
+    /// Whether this call adopts computed tokens (vLLM's `allocate_new_computed_blocks`
+    /// for a request without a cached-block entry), refusing the cases vLLM asserts
+    /// against: hits for a request that holds blocks or with caching off, and external
+    /// tokens for a request that holds blocks but has no cached-block entry.
+    fn check_adoption(&self, id: &str, hits: &[u32], num_external: usize) -> Result<bool> {
+        let state = self.requests.get(id);
+        let held = state.map_or(0, |s| s.blocks.len());
+        let known = state.is_some_and(|s| s.num_cached.is_some());
+        if !hits.is_empty() && !self.pool.enable_caching() {
+            return Err(Error::InvalidArgument(
+                "new_computed_blocks must be empty when prefix caching is disabled".to_owned(),
+            ));
+        }
+        let adopts = !known && (!hits.is_empty() || num_external > 0);
+        if (known && !hits.is_empty()) || (adopts && held > 0) {
+            return Err(Error::InvalidArgument(format!(
+                "request {id} already holds blocks, so it cannot adopt computed tokens"
+            )));
+        }
+        Ok(adopts)
+    }
+
+    /// Range-checks the computed blocks and rejects the null block.
+    fn check_hits(&self, ids: &[i64]) -> Result<Vec<u32>> {
+        ids.iter()
+            .map(|&id| {
+                let block = self.pool.check_id(id)?;
+                if block == NULL_BLOCK_ID {
+                    return Err(Error::InvalidArgument(
+                        "new_computed_blocks must not contain the null block 0".to_owned(),
+                    ));
+                }
+                Ok(block)
+            })
+            .collect()
+    }
+
+    /// Which blocks caching `num_tokens` tokens would hash, with their hashes:
+    /// `None` when nothing new is full. `table` is the current table, which will have
+    /// `table_len` entries when the caching happens (entries past `table` are fresh,
+    /// unhashed allocations).
+    ///
+    /// # Errors
+    /// [`Error::AlreadyHashed`] for an existing block in the range that has a hash;
+    /// [`Error::TooFewHashes`] if the hash source returns too few; its own errors.
+    fn plan_caching<H: HashSource + ?Sized>(
+        &self,
+        request: &RequestView<'_, H>,
+        table: &[u32],
+        num_cached: usize,
+        num_tokens: usize,
+        table_len: usize,
+    ) -> Result<Option<(Range<usize>, Vec<BlockHash>)>> {
+        let num_hashes = request.block_hashes.num_hashes();
+        // vLLM: min(num_tokens, len(block_hashes) * block_size) // block_size, never
+        // past the table (only reachable when max_model_len caps the slots).
+        let full = (num_tokens / self.block_size)
+            .min(num_hashes)
+            .min(table_len);
+        if num_cached >= full {
+            return Ok(None);
+        }
+        if let Some(&block) = table
+            .get(num_cached..full.min(table.len()))
+            .and_then(|existing| existing.iter().find(|&&b| self.pool.block_is_cached(b)))
+        {
+            return Err(Error::AlreadyHashed { block_id: block });
+        }
+        let mut hashes = Vec::with_capacity(full - num_cached);
+        request.block_hashes.hashes(num_cached..full, &mut hashes)?;
+        if hashes.len() != full - num_cached {
+            return Err(Error::TooFewHashes {
+                needed: full,
+                got: num_cached + hashes.len(),
+            });
+        }
+        Ok(Some((num_cached..full, hashes)))
+    }
+}

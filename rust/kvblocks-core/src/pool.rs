@@ -1,1 +1,474 @@
-//! (being written)
+//! The block pool: vLLM 0.33.0's `BlockPool` over flat per-block arrays.
+//!
+//! State:
+//! * `ref_cnt[b]`: holders of block `b` (request block tables, retentions);
+//! * the [`FreeQueue`]: exactly the non-null blocks with ref count 0, head = next to
+//!   be allocated;
+//! * the [`PrefixMap`]: hash + group id of every cached block, duplicates in
+//!   insertion order.
+//!
+//! Block 0 is the null block: never free, never handed out, never hashed, ref count
+//! never tracked. Every public method validates all of its input before it mutates
+//! anything, so an `Err` means the pool is exactly as it was.
+//!
+//! Invariants (checked by [`BlockPool::check_invariants`]):
+//! 1. the null block has ref count 0, is not queued and not cached;
+//! 2. a non-null block is in the free queue iff its ref count is 0;
+//! 3. the free queue and the prefix map are internally consistent.
+
+use crate::block_hash::BlockHash;
+use crate::error::{Error, Result};
+use crate::free_queue::{ix, try_filled_vec, FreeQueue, MAX_CAPACITY};
+use crate::prefix_map::PrefixMap;
+
+/// The id of the null block.
+pub const NULL_BLOCK_ID: u32 = 0;
+
+/// The largest pool [`BlockPool::new`] accepts.
+pub const MAX_NUM_BLOCKS: u32 = MAX_CAPACITY;
+
+/// A snapshot of one block, as `BlockPool.get_block` returns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// The block id.
+    pub block_id: u32,
+    /// Its reference count (always 0 for the null block).
+    pub ref_cnt: u32,
+    /// The hash it is cached under, if any.
+    pub block_hash: Option<BlockHash>,
+    /// The KV cache group id it is cached under, if any.
+    pub group_id: Option<u32>,
+    /// Whether this is the null block (id 0).
+    pub is_null: bool,
+}
+
+/// vLLM's `BlockPool`: ref-counted blocks, an LRU free queue and the prefix cache.
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    num_blocks: u32,
+    enable_caching: bool,
+    /// `ref_cnt[b]`: holders of block `b`.
+    ref_cnt: Vec<u32>,
+    free_queue: FreeQueue,
+    prefix: PrefixMap,
+    /// Reused buffer for the blocks `free_blocks` prepends, so frees do not allocate.
+    scratch: Vec<u32>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks; block 0 is the null block, the others are free in
+    /// ascending id order.
+    ///
+    /// # Errors
+    /// [`Error::NonPositive`] when `num_blocks <= 0`; [`Error::InvalidArgument`] when it
+    /// exceeds [`MAX_NUM_BLOCKS`] or memory for it cannot be allocated.
+    pub fn new(num_blocks: i64, enable_caching: bool) -> Result<Self> {
+        if num_blocks <= 0 {
+            return Err(Error::NonPositive {
+                name: "num_blocks",
+                value: num_blocks,
+            });
+        }
+        let n = u32::try_from(num_blocks)
+            .ok()
+            .filter(|&n| n <= MAX_NUM_BLOCKS)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "num_blocks must be at most {MAX_NUM_BLOCKS}, got {num_blocks}"
+                ))
+            })?;
+        let mut free_queue = FreeQueue::new(n)?;
+        for id in 1..n {
+            free_queue.push_back(id);
+        }
+        Ok(Self {
+            num_blocks: n,
+            enable_caching,
+            ref_cnt: try_filled_vec(0, ix(n))?,
+            free_queue,
+            prefix: PrefixMap::new(n)?,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The number of blocks, the null block included.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Whether prefix caching is enabled (it decides lazy eviction and free order).
+    pub fn enable_caching(&self) -> bool {
+        self.enable_caching
+    }
+
+    /// Blocks in the free queue, cached ones with ref count 0 included.
+    pub fn num_free_blocks(&self) -> usize {
+        self.free_queue.len()
+    }
+
+    /// `1 - free / (num_blocks - 1)`, or 0.0 for a pool with only the null block.
+    pub fn usage(&self) -> f64 {
+        let total = self.num_blocks - 1;
+        if total == 0 {
+            return 0.0;
+        }
+        // The free count never exceeds num_blocks - 1, so it fits in a u32.
+        let free = u32::try_from(self.free_queue.len()).unwrap_or(total);
+        1.0 - f64::from(free) / f64::from(total)
+    }
+
+    /// Pops `n` blocks from the head of the free queue, each with ref count 1. With
+    /// caching on, a popped block that still has a hash loses it (lazy eviction).
+    ///
+    /// # Errors
+    /// [`Error::Negative`] (`num_blocks`) for `n < 0`; [`Error::NoFreeBlocks`] when
+    /// fewer than `n` blocks are free.
+    pub fn get_new_blocks(&mut self, n: i64) -> Result<Vec<u32>> {
+        let count = usize::try_from(n).map_err(|_| Error::Negative {
+            name: "n",
+            value: n,
+        })?;
+        let mut out = Vec::new();
+        self.get_new_blocks_into(count, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`BlockPool::get_new_blocks`] appending the ids to `out`.
+    ///
+    /// # Errors
+    /// [`Error::NoFreeBlocks`] when fewer than `n` blocks are free; `out` and the pool
+    /// are then unchanged.
+    pub fn get_new_blocks_into(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        let free = self.free_queue.len();
+        if n > free {
+            return Err(Error::NoFreeBlocks { requested: n, free });
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let Some(id) = self.free_queue.pop_front() else {
+                break;
+            };
+            if self.enable_caching {
+                self.prefix.remove(id);
+            }
+            // Queued blocks have ref count 0 (invariant 2).
+            self.ref_cnt[ix(id)] = 1;
+            out.push(id);
+        }
+        Ok(())
+    }
+
+    /// Drops one reference per id, in the order given ("the first block is evicted
+    /// first"). Blocks reaching 0 are prepended to the free queue when unhashed or when
+    /// caching is off (LIFO reuse), appended when hashed (LRU eviction); each group
+    /// keeps the given order. Null ids are skipped.
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id out of range (checked for all ids first), then
+    /// [`Error::DoubleFree`] for the first id whose ref count would go below 0 (an id
+    /// repeated more often than its ref count included).
+    pub fn free_blocks(&mut self, block_ids: &[i64]) -> Result<()> {
+        self.check_ids(block_ids)?;
+        self.free_ids(block_ids.iter().filter_map(|&id| u32::try_from(id).ok()))
+    }
+
+    /// Adds one reference per id; a block at ref count 0 first leaves the free queue
+    /// (it becomes a prefix-cache hit). Null ids are skipped.
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id out of range; [`Error::InvalidArgument`] if a
+    /// ref count could overflow `u32`.
+    pub fn touch(&mut self, block_ids: &[i64]) -> Result<()> {
+        self.check_ids(block_ids)?;
+        self.touch_ids(
+            block_ids.iter().filter_map(|&id| u32::try_from(id).ok()),
+            block_ids.len(),
+        )
+    }
+
+    /// Caches the blocks `block_ids[num_cached_blocks .. num_full_blocks]` under
+    /// `block_hashes[i]` (same index) and `group_id`. `block_ids` is a request's whole
+    /// block table and `block_hashes` its hash list. Null blocks are skipped; nothing
+    /// happens when `num_cached_blocks >= num_full_blocks`. Caching happens whether or
+    /// not `enable_caching` is set (vLLM's pool does not look at it here).
+    ///
+    /// # Errors
+    /// In this order: [`Error::Negative`] (`num_cached_blocks`, then `num_full_blocks`);
+    /// [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`]; [`Error::UnknownBlock`]
+    /// for any id in `block_ids`; [`Error::AlreadyHashed`] for the first block in range
+    /// that has a hash or appears twice in the range.
+    pub fn cache_full_blocks(
+        &mut self,
+        block_ids: &[i64],
+        block_hashes: &[BlockHash],
+        num_cached_blocks: i64,
+        num_full_blocks: i64,
+        group_id: u32,
+    ) -> Result<()> {
+        let num_cached = usize::try_from(num_cached_blocks).map_err(|_| Error::Negative {
+            name: "num_cached_blocks",
+            value: num_cached_blocks,
+        })?;
+        let num_full = usize::try_from(num_full_blocks).map_err(|_| Error::Negative {
+            name: "num_full_blocks",
+            value: num_full_blocks,
+        })?;
+        if num_full > block_ids.len() {
+            return Err(Error::TooManyFullBlocks {
+                num_full_blocks: num_full,
+                num_block_ids: block_ids.len(),
+            });
+        }
+        if block_hashes.len() < num_full {
+            return Err(Error::TooFewHashes {
+                needed: num_full,
+                got: block_hashes.len(),
+            });
+        }
+        self.check_ids(block_ids)?;
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        let blocks: Vec<u32> = block_ids[num_cached..num_full]
+            .iter()
+            .filter_map(|&id| u32::try_from(id).ok())
+            .collect();
+        self.cache_ids(&blocks, &block_hashes[num_cached..num_full], group_id)
+    }
+
+    /// One block per group id cached under `block_hash` (the earliest-inserted one for
+    /// duplicates), or `None` if any group misses. Changes nothing.
+    pub fn get_cached_block(&self, block_hash: &BlockHash, group_ids: &[u32]) -> Option<Vec<u32>> {
+        self.prefix.first_in_groups(block_hash, group_ids)
+    }
+
+    /// Removes the given blocks' hashes from the prefix cache. Ref counts and free-queue
+    /// positions are unchanged; null and uncached ids are skipped. Returns the
+    /// (hash, group id) keys removed, in input order.
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id out of range.
+    pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
+        self.check_ids(block_ids)?;
+        let mut removed = Vec::new();
+        for id in block_ids.iter().filter_map(|&id| u32::try_from(id).ok()) {
+            if id != NULL_BLOCK_ID {
+                removed.extend(self.prefix.remove(id));
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Drops every hash if no block is in use and returns true; otherwise returns false
+    /// and changes nothing. The free-queue order is kept.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if ix(self.num_blocks) - self.free_queue.len() != 1 {
+            return false;
+        }
+        self.prefix.clear();
+        true
+    }
+
+    /// A snapshot of block `block_id`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id out of range.
+    pub fn block(&self, block_id: i64) -> Result<BlockInfo> {
+        let id = self.check_id(block_id)?;
+        let key = self.prefix.key_of(id);
+        Ok(BlockInfo {
+            block_id: id,
+            ref_cnt: self.ref_cnt[ix(id)],
+            block_hash: key.map(|(h, _)| *h),
+            group_id: key.map(|(_, g)| g),
+            is_null: id == NULL_BLOCK_ID,
+        })
+    }
+
+    /// The free queue, head (next to be allocated) first.
+    pub fn free_block_ids(&self) -> Vec<u32> {
+        self.free_queue.iter().collect()
+    }
+
+    /// Every cached block as (block id, hash, group id), in block id order.
+    pub fn cached_blocks(&self) -> Vec<(u32, BlockHash, u32)> {
+        self.prefix.cached().map(|(b, h, g)| (b, *h, g)).collect()
+    }
+
+    /// The number of distinct (hash, group id) keys in the prefix cache.
+    pub fn num_cached_keys(&self) -> usize {
+        self.prefix.num_keys()
+    }
+
+    /// Heap bytes held by the pool. With every block cached under a distinct hash this
+    /// stays below 160 bytes per block (see `tests/pool_golden.rs`).
+    pub fn heap_bytes(&self) -> usize {
+        (self.ref_cnt.capacity() + self.scratch.capacity()) * std::mem::size_of::<u32>()
+            + self.free_queue.heap_bytes()
+            + self.prefix.heap_bytes()
+    }
+
+    /// Walks every structure and reports the first broken rule.
+    ///
+    /// # Errors
+    /// [`Error::Invariant`] naming the rule.
+    pub fn check_invariants(&self) -> Result<()> {
+        let fail = |msg: String| Err(Error::Invariant(msg));
+        let null = ix(NULL_BLOCK_ID);
+        if self.ref_cnt[null] != 0 {
+            return fail(format!("null block has ref count {}", self.ref_cnt[null]));
+        }
+        if self.free_queue.contains(NULL_BLOCK_ID) {
+            return fail("null block is in the free queue".to_owned());
+        }
+        if self.prefix.is_cached(NULL_BLOCK_ID) {
+            return fail("null block has a hash".to_owned());
+        }
+        if let Err(e) = self.free_queue.check() {
+            return fail(format!("free queue: {e}"));
+        }
+        for (id, &rc) in (0u32..).zip(&self.ref_cnt).skip(1) {
+            if (rc == 0) != self.free_queue.contains(id) {
+                return fail(format!(
+                    "block {id} has ref count {rc} but is{} in the free queue",
+                    if rc == 0 { " not" } else { "" }
+                ));
+            }
+        }
+        if let Err(e) = self.prefix.check() {
+            return fail(format!("prefix cache: {e}"));
+        }
+        Ok(())
+    }
+
+    /// The ref count of block `id` (trusted id).
+    pub(crate) fn ref_cnt_of(&self, id: u32) -> u32 {
+        self.ref_cnt[ix(id)]
+    }
+
+    /// The block cached under (`hash`, `group`), earliest-inserted first.
+    pub(crate) fn cached_block(&self, hash: &BlockHash, group: u32) -> Option<u32> {
+        self.prefix.first(hash, group)
+    }
+
+    /// [`BlockPool::touch`] on ids known to be in range.
+    pub(crate) fn touch_ids<I>(&mut self, ids: I, count: usize) -> Result<()>
+    where
+        I: Iterator<Item = u32> + Clone,
+    {
+        // Each id is touched at most `count` times in this call, so a ref count at or
+        // below this headroom cannot overflow.
+        let headroom = u32::MAX - u32::try_from(count).unwrap_or(u32::MAX);
+        if let Some(id) = ids.clone().find(|&id| self.ref_cnt[ix(id)] > headroom) {
+            return Err(Error::InvalidArgument(format!(
+                "block {id} ref count would overflow"
+            )));
+        }
+        for id in ids {
+            if id == NULL_BLOCK_ID {
+                continue;
+            }
+            let rc = &mut self.ref_cnt[ix(id)];
+            if *rc == 0 {
+                self.free_queue.remove(id);
+            }
+            *rc += 1;
+        }
+        Ok(())
+    }
+
+    /// [`BlockPool::free_blocks`] on ids known to be in range.
+    pub(crate) fn free_ids<I>(&mut self, ids: I) -> Result<()>
+    where
+        I: Iterator<Item = u32> + Clone,
+    {
+        // Validate by decrementing tentatively, then restore: this catches ids repeated
+        // more often than their ref count without a per-call map.
+        let mut done = 0usize;
+        let mut failed = None;
+        for id in ids.clone() {
+            if id != NULL_BLOCK_ID {
+                let rc = &mut self.ref_cnt[ix(id)];
+                if *rc == 0 {
+                    failed = Some(id);
+                    break;
+                }
+                *rc -= 1;
+            }
+            done += 1;
+        }
+        for id in ids.clone().take(done) {
+            if id != NULL_BLOCK_ID {
+                self.ref_cnt[ix(id)] += 1;
+            }
+        }
+        if let Some(block_id) = failed {
+            return Err(Error::DoubleFree { block_id });
+        }
+        let mut evict_first = std::mem::take(&mut self.scratch);
+        evict_first.clear();
+        for id in ids {
+            if id == NULL_BLOCK_ID {
+                continue;
+            }
+            let rc = &mut self.ref_cnt[ix(id)];
+            *rc -= 1;
+            if *rc == 0 {
+                if self.enable_caching && self.prefix.is_cached(id) {
+                    self.free_queue.push_back(id);
+                } else {
+                    evict_first.push(id);
+                }
+            }
+        }
+        self.free_queue.push_front_run(&evict_first);
+        self.scratch = evict_first;
+        Ok(())
+    }
+
+    /// Caches `blocks[i]` under (`hashes[i]`, `group`) for ids known to be in range.
+    /// Null blocks are skipped.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyHashed`] for the first block that has a hash (or repeats); the
+    /// blocks inserted before it are removed again, so nothing changes.
+    pub(crate) fn cache_ids(
+        &mut self,
+        blocks: &[u32],
+        hashes: &[BlockHash],
+        group: u32,
+    ) -> Result<()> {
+        for (done, (&id, hash)) in blocks.iter().zip(hashes).enumerate() {
+            if id != NULL_BLOCK_ID && !self.prefix.insert(id, hash, group) {
+                // Undo in reverse, so the per-key lists and interner slots are restored.
+                for &undo in blocks[..done].iter().rev() {
+                    if undo != NULL_BLOCK_ID {
+                        self.prefix.remove(undo);
+                    }
+                }
+                return Err(Error::AlreadyHashed { block_id: id });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether block `id` (trusted) is cached under some key.
+    pub(crate) fn block_is_cached(&self, id: u32) -> bool {
+        self.prefix.is_cached(id)
+    }
+
+    /// `id` as a block id of this pool.
+    pub(crate) fn check_id(&self, id: i64) -> Result<u32> {
+        u32::try_from(id)
+            .ok()
+            .filter(|&b| b < self.num_blocks)
+            .ok_or(Error::UnknownBlock {
+                block_id: id,
+                num_blocks: ix(self.num_blocks),
+            })
+    }
+
+    fn check_ids(&self, ids: &[i64]) -> Result<()> {
+        ids.iter().try_for_each(|&id| self.check_id(id).map(drop))
+    }
+}

@@ -1,0 +1,203 @@
+"""``kvblocks bench``: every workload on both backends, side by side, in one process.
+
+Both backends run each workload in the same process, interleaved round by round, so a
+noisy machine slows both alike and the ratio (reference time / native time) holds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TextIO
+
+from kvblocks.bench.workloads import Workload, workloads
+
+__all__ = ["BenchResult", "run", "vllm_status"]
+
+BACKENDS = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    """Timings of one workload on both backends (seconds per run, all rounds)."""
+
+    name: str
+    group: str
+    description: str
+    ops: int
+    op_name: str
+    python_s: list[float]
+    rust_s: list[float]
+
+    @property
+    def python_per_op(self) -> float:
+        """Median reference time per operation, in seconds."""
+        return statistics.median(self.python_s) / self.ops
+
+    @property
+    def rust_per_op(self) -> float:
+        """Median native time per operation, in seconds."""
+        return statistics.median(self.rust_s) / self.ops
+
+    @property
+    def ratio(self) -> float:
+        """How many times faster the native backend is (median over median)."""
+        return statistics.median(self.python_s) / statistics.median(self.rust_s)
+
+
+def vllm_status() -> str:
+    """Why the vLLM column is absent, or the vLLM version when it could run."""
+    try:
+        vllm = importlib.import_module("vllm")
+    except Exception as exc:  # noqa: BLE001 (any import failure means "not available")
+        return f"vLLM is not importable here ({type(exc).__name__}: {exc})"
+    return f"vLLM {getattr(vllm, '__version__', '?')} is importable but not wired in"
+
+
+def _progress(done: int, total: int, label: str, out: TextIO) -> None:
+    width = 28
+    filled = width * done // max(total, 1)
+    bar = "#" * filled + "-" * (width - filled)
+    out.write(f"\r[{bar}] {done}/{total} {label[:40]:<40}")
+    out.flush()
+
+
+def _time_once(workload: Workload, backend: ModuleType) -> float:
+    state = workload.setup(backend)
+    start = time.perf_counter()
+    result = workload.run(backend, state)
+    elapsed = time.perf_counter() - start
+    workload.check(state, result)
+    return elapsed
+
+
+def run(
+    selected: Sequence[Workload],
+    rounds: int,
+    progress: TextIO | None = sys.stderr,
+) -> list[BenchResult]:
+    """Times every workload on both backends, ``rounds`` times each, interleaved."""
+    backends = {name: importlib.import_module(mod) for name, mod in BACKENDS.items()}
+    results = []
+    total = len(selected) * rounds
+    for i, workload in enumerate(selected):
+        times: dict[str, list[float]] = {name: [] for name in backends}
+        for r in range(rounds):
+            if progress is not None:
+                _progress(i * rounds + r, total, workload.name, progress)
+            for name, backend in backends.items():
+                times[name].append(_time_once(workload, backend))
+        results.append(
+            BenchResult(
+                workload.name,
+                workload.group,
+                workload.description,
+                workload.ops,
+                workload.op_name,
+                times["python"],
+                times["rust"],
+            )
+        )
+    if progress is not None:
+        _progress(total, total, "done", progress)
+        progress.write("\n")
+    return results
+
+
+def _fmt_time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.2f} {unit}"
+    return f"{seconds / 1e-9:.0f} ns"
+
+
+def markdown_table(results: Sequence[BenchResult]) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        "| workload | what | reference per op | native per op | native speed-up |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| `{r.name}` | {r.description} | {_fmt_time(r.python_per_op)} / {r.op_name} "
+            f"| {_fmt_time(r.rust_per_op)} / {r.op_name} | **{r.ratio:.1f}x** |"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
+    """Writes ``results.json``, ``results.md`` and (with matplotlib) ``results.png``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "vllm": vllm_status(),
+    }
+    payload = {
+        "meta": meta,
+        "results": [
+            {
+                **asdict(r),
+                "python_per_op_s": r.python_per_op,
+                "rust_per_op_s": r.rust_per_op,
+                "ratio": r.ratio,
+            }
+            for r in results
+        ],
+    }
+    written = [out_dir / "results.json", out_dir / "results.md"]
+    written[0].write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    written[1].write_text(markdown_table(results) + f"\n\n{meta['vllm']}.\n", encoding="utf-8")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(results)))
+    names = [r.name for r in results]
+    ax.barh(names, [r.ratio for r in results], color="#c0504d")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("native speed-up over the pure-Python reference (log scale)")
+    ax.invert_yaxis()
+    for y, r in enumerate(results):
+        ax.text(r.ratio, y, f" {r.ratio:.1f}x", va="center")
+    fig.tight_layout()
+    png = out_dir / "results.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    written.append(png)
+    return written
+
+
+def main(names: Sequence[str], quick: bool, rounds: int | None, out: Path | None) -> int:
+    """``kvblocks bench``: returns the process exit code."""
+    available = {w.name: w for w in workloads(quick)}
+    prefixes = list(names)
+    selected = [
+        w for w in available.values() if not prefixes or any(w.name.startswith(p) for p in prefixes)
+    ]
+    if not selected:
+        sys.stderr.write(
+            f"kvblocks bench: no workload matches {', '.join(prefixes)}; "
+            f"available: {', '.join(available)}\n"
+        )
+        return 2
+    results = run(selected, rounds or (3 if quick else 7))
+    print(markdown_table(results))
+    print(f"\n{vllm_status()}.")
+    if out is not None:
+        for path in write_outputs(results, out):
+            print(f"wrote {path}")
+    return 0
