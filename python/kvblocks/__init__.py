@@ -22,8 +22,18 @@ from kvblocks.errors import (
 
 #: The names every backend exports (``kvblocks.reference`` and ``kvblocks._native``).
 BACKEND_NAMES: tuple[str, ...] = (
+    "BlockHasher",
     "BlockPool",
+    "InvalidBlocksOutcome",
     "KVCacheBlock",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "Request",
+    "RollbackResult",
+    "handle_failed_recving",
+    "handle_invalid_blocks",
+    "rollback_invalid_blocks",
+    "update_requests_with_invalid_blocks",
 )
 
 
@@ -57,18 +67,38 @@ def _load_backend() -> tuple[str, ModuleType]:
 
 BACKEND, _backend = _load_backend()
 
+BlockHasher = _backend.BlockHasher
 BlockPool = _backend.BlockPool
+InvalidBlocksOutcome = _backend.InvalidBlocksOutcome
 KVCacheBlock = _backend.KVCacheBlock
+KVCacheManager = _backend.KVCacheManager
+PrefixCacheStats = _backend.PrefixCacheStats
+Request = _backend.Request
+RollbackResult = _backend.RollbackResult
+handle_failed_recving = _backend.handle_failed_recving
+handle_invalid_blocks = _backend.handle_invalid_blocks
+rollback_invalid_blocks = _backend.rollback_invalid_blocks
+update_requests_with_invalid_blocks = _backend.update_requests_with_invalid_blocks
 
 __all__ = [
     "BACKEND",
     "BACKEND_NAMES",
+    "BlockHasher",
     "BlockPool",
     "BlockStateError",
+    "InvalidBlocksOutcome",
     "InvariantError",
     "KVBlocksError",
     "KVCacheBlock",
+    "KVCacheManager",
     "NoFreeBlocksError",
+    "PrefixCacheStats",
+    "Request",
+    "RollbackResult",
     "UnknownBlockError",
     "UnsupportedLayoutError",
+    "handle_failed_recving",
+    "handle_invalid_blocks",
+    "rollback_invalid_blocks",
+    "update_requests_with_invalid_blocks",
 ]

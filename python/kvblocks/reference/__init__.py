@@ -6,9 +6,30 @@ same names, signatures, docstrings and error classes as the native backend
 """
 
 from kvblocks.reference.block_pool import BlockPool
-from kvblocks.reference.kv_cache_utils import KVCacheBlock
+from kvblocks.reference.hashing import BlockHasher
+from kvblocks.reference.kv_cache_manager import KVCacheManager
+from kvblocks.reference.kv_cache_utils import KVCacheBlock, PrefixCacheStats
+from kvblocks.reference.request import Request
+from kvblocks.reference.scheduler import (
+    InvalidBlocksOutcome,
+    RollbackResult,
+    handle_failed_recving,
+    handle_invalid_blocks,
+    rollback_invalid_blocks,
+    update_requests_with_invalid_blocks,
+)
 
 __all__ = [
+    "BlockHasher",
     "BlockPool",
+    "InvalidBlocksOutcome",
     "KVCacheBlock",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "Request",
+    "RollbackResult",
+    "handle_failed_recving",
+    "handle_invalid_blocks",
+    "rollback_invalid_blocks",
+    "update_requests_with_invalid_blocks",
 ]

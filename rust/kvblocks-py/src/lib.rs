@@ -2,7 +2,9 @@
 
 mod convert;
 mod errors;
+mod manager;
 mod pool;
+mod request;
 
 use pyo3::prelude::*;
 
@@ -10,6 +12,9 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<pool::PyKVCacheBlock>()?;
-    m.add("__all__", ["BlockPool", "KVCacheBlock"])?;
+    m.add_class::<manager::PyKVCacheManager>()?;
+    m.add_class::<manager::PyPrefixCacheStats>()?;
+    m.add_class::<request::PyRequest>()?;
+    m.add("__all__", ["BlockPool", "KVCacheBlock", "KVCacheManager", "PrefixCacheStats"])?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use pyo3::types::PyBytes;
 
 use crate::convert::int_column;
 use crate::errors::IntoPyResult;
+use crate::manager::PyKVCacheManager;
 
 /// Converts one Python block hash (`bytes`) into a core `BlockHash`.
 pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
@@ -82,11 +83,41 @@ impl PyKVCacheBlock {
     }
 }
 
+/// Where a Python `BlockPool` object's state lives.
+enum PoolSource {
+    /// A pool created by `BlockPool(...)`.
+    Own(CorePool),
+    /// The pool inside a `KVCacheManager` (its `block_pool` attribute): a view that
+    /// borrows the manager for each call, so both always see the same state.
+    Manager(Py<PyKVCacheManager>),
+}
+
 /// A fixed set of KV cache blocks with ref counts, an LRU free queue and a prefix cache.
 #[pyclass(module = "kvblocks._native", name = "BlockPool")]
 pub struct PyBlockPool {
-    pub inner: CorePool,
+    source: PoolSource,
     block_size: i64,
+}
+
+impl PyBlockPool {
+    /// The view of a manager's pool.
+    pub fn of_manager(manager: Py<PyKVCacheManager>, block_size: i64) -> Self {
+        Self { source: PoolSource::Manager(manager), block_size }
+    }
+
+    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&CorePool) -> R) -> R {
+        match &self.source {
+            PoolSource::Own(pool) => f(pool),
+            PoolSource::Manager(m) => f(m.bind(py).borrow().inner.block_pool()),
+        }
+    }
+
+    fn with_mut<R>(&mut self, py: Python<'_>, f: impl FnOnce(&mut CorePool) -> R) -> R {
+        match &mut self.source {
+            PoolSource::Own(pool) => f(pool),
+            PoolSource::Manager(m) => f(m.bind(py).borrow_mut().inner.block_pool_mut()),
+        }
+    }
 }
 
 #[pymethods]
@@ -97,19 +128,19 @@ impl PyBlockPool {
         if block_size <= 0 {
             return Err(kvblocks_core::Error::NonPositive { name: "block_size", value: block_size }).py();
         }
-        Ok(Self { inner: CorePool::new(num_blocks, enable_caching).py()?, block_size })
+        Ok(Self { source: PoolSource::Own(CorePool::new(num_blocks, enable_caching).py()?), block_size })
     }
 
     /// The number of blocks, including the null block.
     #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.inner.num_blocks()
+    fn num_blocks(&self, py: Python<'_>) -> u32 {
+        self.with(py, CorePool::num_blocks)
     }
 
     /// Whether prefix caching is on (see the class docstring).
     #[getter]
-    fn enable_caching(&self) -> bool {
-        self.inner.enable_caching()
+    fn enable_caching(&self, py: Python<'_>) -> bool {
+        self.with(py, CorePool::enable_caching)
     }
 
     /// Tokens per block.
@@ -118,16 +149,18 @@ impl PyBlockPool {
         self.block_size
     }
 
-    fn get_new_blocks(&mut self, n: i64) -> PyResult<Vec<u32>> {
-        self.inner.get_new_blocks(n).py()
+    fn get_new_blocks(&mut self, py: Python<'_>, n: i64) -> PyResult<Vec<u32>> {
+        self.with_mut(py, |p| p.get_new_blocks(n)).py()
     }
 
     fn free_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.free_blocks(&int_column(block_ids)?).py()
+        let ids = int_column(block_ids)?;
+        self.with_mut(block_ids.py(), |p| p.free_blocks(&ids)).py()
     }
 
     fn touch(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.touch(&int_column(block_ids)?).py()
+        let ids = int_column(block_ids)?;
+        self.with_mut(block_ids.py(), |p| p.touch(&ids)).py()
     }
 
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id=0))]
@@ -145,7 +178,7 @@ impl PyBlockPool {
             .try_iter()?
             .map(|h| block_hash(&h?))
             .collect::<PyResult<Vec<_>>>()?;
-        self.inner.cache_full_blocks(&ids, &hashes, num_cached_blocks, num_full_blocks, group).py()
+        self.with_mut(block_ids.py(), |p| p.cache_full_blocks(&ids, &hashes, num_cached_blocks, num_full_blocks, group)).py()
     }
 
     #[pyo3(
@@ -158,34 +191,35 @@ impl PyBlockPool {
             .iter()
             .map(|&g| group_id(g, "kv_cache_group_ids"))
             .collect::<PyResult<Vec<_>>>()?;
-        Ok(self.inner.get_cached_block(&hash, &groups))
+        Ok(self.with(block_hash.py(), |p| p.get_cached_block(&hash, &groups)))
     }
 
     fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.evict_blocks(&int_column(block_ids)?).py().map(drop)
+        let ids = int_column(block_ids)?;
+        self.with_mut(block_ids.py(), |p| p.evict_blocks(&ids)).py().map(drop)
     }
 
-    fn reset_prefix_cache(&mut self) -> bool {
-        self.inner.reset_prefix_cache()
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> bool {
+        self.with_mut(py, CorePool::reset_prefix_cache)
     }
 
-    fn get_num_free_blocks(&self) -> usize {
-        self.inner.num_free_blocks()
+    fn get_num_free_blocks(&self, py: Python<'_>) -> usize {
+        self.with(py, CorePool::num_free_blocks)
     }
 
-    fn get_usage(&self) -> f64 {
-        self.inner.usage()
+    fn get_usage(&self, py: Python<'_>) -> f64 {
+        self.with(py, CorePool::usage)
     }
 
-    fn get_block(&self, block_id: i64) -> PyResult<PyKVCacheBlock> {
-        self.inner.block(block_id).py().map(PyKVCacheBlock::from)
+    fn get_block(&self, py: Python<'_>, block_id: i64) -> PyResult<PyKVCacheBlock> {
+        self.with(py, |p| p.block(block_id)).py().map(PyKVCacheBlock::from)
     }
 
-    fn free_block_ids(&self) -> Vec<u32> {
-        self.inner.free_block_ids()
+    fn free_block_ids(&self, py: Python<'_>) -> Vec<u32> {
+        self.with(py, CorePool::free_block_ids)
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().py()
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, CorePool::check_invariants).py()
     }
 }

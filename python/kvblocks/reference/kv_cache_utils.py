@@ -1,0 +1,384 @@
+"""Data structures of the block pool: blocks, the free queue, the prefix map, stats.
+
+This mirrors ``vllm/v1/core/kv_cache_utils.py`` of vLLM 0.33.0 for one full-attention
+KV cache group, with two differences that make the state observable and checkable:
+
+* the pool's per-block record (:class:`BlockState`) is private; callers get frozen
+  :class:`KVCacheBlock` snapshots from ``BlockPool.get_block``;
+* a prefix-cache key is the pair ``(block_hash, group_id)`` instead of vLLM's
+  ``block_hash + group_id.to_bytes(4, "big")``; the two carry the same information.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvblocks.errors import UnknownBlockError
+
+__all__ = [
+    "MAX_BLOCK_HASH_LEN",
+    "MAX_GROUP_ID",
+    "BlockHashToBlockMap",
+    "BlockState",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "PrefixCacheStats",
+    "cdiv",
+    "check_block_hash",
+    "check_block_ids",
+    "check_group_id",
+    "check_non_negative",
+    "check_positive",
+    "to_block_hash",
+    "to_int_list",
+]
+
+#: The longest block hash kvblocks stores: a SHA-256 digest (xxh3-128 digests are 16 bytes).
+MAX_BLOCK_HASH_LEN = 32
+
+#: vLLM stores a group id in 4 unsigned big-endian bytes, so this is the largest one.
+MAX_GROUP_ID = 2**32 - 1
+
+#: A prefix-cache key: the block hash and the KV cache group it was cached for.
+BlockHashKey = tuple[bytes, int]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, ``-(a // -b)`` as vLLM's ``cdiv``."""
+    return -(a // -b)
+
+
+# --------------------------------------------------------------------------- validation
+#
+# Every public entry point validates in the same order, which the native backend copies:
+#   1. types: each argument in signature order, each sequence element by element
+#      (``operator.index`` for ints, ``isinstance(x, bytes)`` for hashes) -> TypeError;
+#   2. values: each argument in signature order (range of ids, length of hashes,
+#      sign of counts) -> ValueError / UnknownBlockError;
+#   3. consistency between arguments -> ValueError;
+#   4. the pool's state (ref counts, existing hashes) -> NoFreeBlocksError / BlockStateError.
+# Only when all of them pass is anything mutated.
+
+
+def to_int_list(values: Iterable[int]) -> list[int]:
+    """Materialises ``values`` as a list of ints, converting each with ``operator.index``.
+
+    Raises:
+        TypeError: ``values`` is not iterable, or an item is not an integer (the message is
+            ``operator.index``'s, e.g. ``'float' object cannot be interpreted as an integer``).
+    """
+    return [operator.index(v) for v in values]
+
+
+def to_block_hash(value: object) -> bytes:
+    """Checks that ``value`` is a ``bytes`` block hash and returns it.
+
+    Raises:
+        TypeError: ``block hash must be bytes, got {type name}``.
+    """
+    if not isinstance(value, bytes):
+        raise TypeError(f"block hash must be bytes, got {type(value).__name__}")
+    return value
+
+
+def check_block_hash(block_hash: bytes) -> None:
+    """Checks the length of a block hash.
+
+    Raises:
+        ValueError: ``block hash must be at most 32 bytes, got {len}``.
+    """
+    if len(block_hash) > MAX_BLOCK_HASH_LEN:
+        raise ValueError(
+            f"block hash must be at most {MAX_BLOCK_HASH_LEN} bytes, got {len(block_hash)}"
+        )
+
+
+def check_block_ids(block_ids: Iterable[int], num_blocks: int) -> None:
+    """Checks that every id lies in ``0 .. num_blocks - 1``, in order.
+
+    Raises:
+        UnknownBlockError: ``block id {id} is out of range for a pool of {n} blocks``.
+    """
+    for block_id in block_ids:
+        if not 0 <= block_id < num_blocks:
+            raise UnknownBlockError(
+                f"block id {block_id} is out of range for a pool of {num_blocks} blocks"
+            )
+
+
+def check_non_negative(name: str, value: int) -> None:
+    """Raises ``ValueError("{name} must be non-negative, got {value}")`` if ``value < 0``."""
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+
+
+def check_positive(name: str, value: int) -> None:
+    """Raises ``ValueError("{name} must be positive, got {value}")`` if ``value <= 0``."""
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_group_id(group_id: int, name: str = "kv_cache_group_id") -> None:
+    """Checks a KV cache group id: ``0 <= group_id <= 2**32 - 1`` (vLLM's 4-byte encoding).
+
+    Args:
+        group_id: The id.
+        name: The argument it came from, for the message.
+
+    Raises:
+        ValueError: ``{name} must be non-negative, got {v}`` or
+            ``{name} must be at most 4294967295, got {v}``.
+    """
+    check_non_negative(name, group_id)
+    if group_id > MAX_GROUP_ID:
+        raise ValueError(f"{name} must be at most {MAX_GROUP_ID}, got {group_id}")
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlock:
+    """A read-only snapshot of one block, as returned by ``BlockPool.get_block``.
+
+    Attributes:
+        block_id: The block's id, ``0 .. num_blocks - 1``.
+        ref_cnt: How many holders (block tables, touches) the block has. Always 0 for
+            the null block, whose count is not tracked.
+        block_hash: The prefix-cache hash of the block's tokens, or ``None`` when the
+            block is not cached.
+        group_id: The KV cache group the hash was cached for; ``None`` exactly when
+            ``block_hash`` is ``None``.
+        is_null: True only for block 0, the null block.
+    """
+
+    block_id: int
+    ref_cnt: int
+    block_hash: bytes | None
+    group_id: int | None
+    is_null: bool
+
+
+@dataclass(slots=True, eq=False)
+class BlockState:
+    """The pool's mutable record of one block (vLLM's ``KVCacheBlock``).
+
+    Identity, not value, matters: the free queue links these objects to each other.
+
+    Invariants (checked by ``BlockPool.check_invariants``):
+        * ``ref_cnt >= 0``; the null block keeps ``ref_cnt == 0`` and never gets a hash;
+        * ``block_hash is None`` if and only if ``group_id is None``;
+        * a block is linked into the free queue (both pointers set) if and only if it is
+          not the null block and ``ref_cnt == 0``.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    group_id: int | None = None
+    is_null: bool = False
+    #: Neighbours in the free queue; only :class:`FreeKVCacheBlockQueue` touches them.
+    prev_free_block: BlockState | None = field(default=None, repr=False)
+    next_free_block: BlockState | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> BlockHashKey | None:
+        """The block's prefix-cache key ``(block_hash, group_id)``, or ``None``."""
+        if self.block_hash is None or self.group_id is None:
+            return None
+        return (self.block_hash, self.group_id)
+
+    def set_hash(self, block_hash: bytes, group_id: int) -> None:
+        """Gives the block its prefix-cache key. The caller checked it had none."""
+        self.block_hash = block_hash
+        self.group_id = group_id
+
+    def reset_hash(self) -> None:
+        """Drops the block's prefix-cache key."""
+        self.block_hash = None
+        self.group_id = None
+
+    def snapshot(self) -> KVCacheBlock:
+        """A frozen copy of the block's public fields."""
+        return KVCacheBlock(
+            block_id=self.block_id,
+            ref_cnt=self.ref_cnt,
+            block_hash=self.block_hash,
+            group_id=self.group_id,
+            is_null=self.is_null,
+        )
+
+
+# --------------------------------------------------------------------------- free queue
+
+
+class FreeKVCacheBlockQueue:
+    """The free blocks as a doubly linked list threaded through the blocks themselves.
+
+    The head is the next block to be allocated (and so the next cached block to lose its
+    hash); ``free_blocks`` prepends unhashed blocks and appends hashed ones. Two sentinel
+    blocks (id -1) bound the list, so every real block in it has both neighbours set and
+    ``remove`` is O(1) with no special cases.
+
+    Invariants:
+        * walking ``next_free_block`` from the head sentinel reaches the tail sentinel after
+          exactly ``num_free_blocks`` real blocks, and ``prev_free_block`` mirrors it;
+        * a block outside the list has both pointers ``None``.
+    """
+
+    __slots__ = ("fake_free_list_head", "fake_free_list_tail", "num_free_blocks")
+
+    def __init__(self, blocks: Iterable[BlockState]) -> None:
+        """Links ``blocks`` in the order given.
+
+        Args:
+            blocks: The initially free blocks, head first.
+        """
+        self.fake_free_list_head = BlockState(block_id=-1)
+        self.fake_free_list_tail = BlockState(block_id=-1)
+        self.fake_free_list_head.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = self.fake_free_list_head
+        self.num_free_blocks = 0
+        self.append_n(list(blocks))
+
+    def popleft(self) -> BlockState:
+        """Unlinks and returns the head block.
+
+        Raises:
+            ValueError: the queue is empty (callers check the count first).
+        """
+        first = self.fake_free_list_head.next_free_block
+        if first is None or first is self.fake_free_list_tail:
+            raise ValueError("No free blocks available")
+        self.remove(first)
+        return first
+
+    def popleft_n(self, n: int) -> list[BlockState]:
+        """Unlinks and returns the first ``n`` blocks, head first.
+
+        The caller guarantees ``0 <= n <= num_free_blocks``.
+        """
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: BlockState) -> None:
+        """Unlinks ``block`` from anywhere in the queue in O(1).
+
+        Raises:
+            RuntimeError: ``block`` is not in the queue.
+        """
+        prev_block, next_block = block.prev_free_block, block.next_free_block
+        if prev_block is None or next_block is None:
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
+        prev_block.next_free_block = next_block
+        next_block.prev_free_block = prev_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append_n(self, blocks: list[BlockState]) -> None:
+        """Links ``blocks`` at the tail, keeping their order (last one becomes the tail)."""
+        for block in blocks:
+            last = self.fake_free_list_tail.prev_free_block
+            assert last is not None  # the tail sentinel always has a predecessor
+            self._link_between(block, last, self.fake_free_list_tail)
+
+    def prepend_n(self, blocks: list[BlockState]) -> None:
+        """Links ``blocks`` at the head, keeping their order: ``[a, b]`` gives ``a, b, ...``."""
+        for block in reversed(blocks):
+            first = self.fake_free_list_head.next_free_block
+            assert first is not None  # the head sentinel always has a successor
+            self._link_between(block, self.fake_free_list_head, first)
+
+    def _link_between(self, block: BlockState, before: BlockState, after: BlockState) -> None:
+        block.prev_free_block = before
+        block.next_free_block = after
+        before.next_free_block = block
+        after.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[BlockState]:
+        """The free blocks, head first (stops at the tail sentinel or a broken link)."""
+        block = self.fake_free_list_head.next_free_block
+        while block is not None and block is not self.fake_free_list_tail:
+            yield block
+            block = block.next_free_block
+
+    def get_all_free_blocks(self) -> list[BlockState]:
+        """The free blocks, head first."""
+        return list(self)
+
+
+# --------------------------------------------------------------------------- prefix map
+
+
+class BlockHashToBlockMap:
+    """The prefix cache: ``(block_hash, group_id)`` -> the blocks cached under that key.
+
+    vLLM does not deduplicate identical full blocks (block tables stay append-only), so a
+    key can map to several blocks. They are kept in insertion order and a lookup returns
+    the earliest-inserted one still cached. vLLM stores a lone block bare and several in a
+    ``{block_id: block}`` dict to save GC work; an insertion-ordered dict per key has the
+    same semantics.
+
+    Invariant: no key maps to an empty dict.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashKey, dict[int, BlockState]] = {}
+
+    def get_one_block(self, key: BlockHashKey) -> BlockState | None:
+        """The first-inserted block still cached under ``key``, or ``None``."""
+        blocks = self._cache.get(key)
+        if not blocks:
+            return None
+        return next(iter(blocks.values()))
+
+    def contains(self, key: BlockHashKey, block_id: int) -> bool:
+        """Whether block ``block_id`` is cached under ``key``."""
+        return block_id in self._cache.get(key, {})
+
+    def insert(self, key: BlockHashKey, block: BlockState) -> None:
+        """Adds ``block`` under ``key``, after any blocks already there."""
+        self._cache.setdefault(key, {})[block.block_id] = block
+
+    def pop(self, key: BlockHashKey, block_id: int) -> BlockState | None:
+        """Removes block ``block_id`` from ``key``; returns it, or ``None`` if absent."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[key]
+        return block
+
+    def items(self) -> Iterator[tuple[BlockHashKey, dict[int, BlockState]]]:
+        """Every key with its blocks (for invariant checks)."""
+        return iter(self._cache.items())
+
+    def __len__(self) -> int:
+        """The number of keys."""
+        return len(self._cache)
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters since the last ``KVCacheManager.make_prefix_cache_stats()``.
+
+    Attributes:
+        requests: Requests recorded (one per admission that looked the cache up).
+        queries: Tokens looked up: the sum of the recorded requests' ``num_tokens``.
+        hits: Tokens found in the prefix cache.
+
+    Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
+    or impossible values, and nothing decrements them.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0

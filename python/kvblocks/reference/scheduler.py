@@ -1,0 +1,543 @@
+"""Rolling requests back past KV blocks whose load failed (vLLM's scheduler logic).
+
+vLLM 0.33.0 keeps this logic in ``Scheduler`` (``v1/core/sched/scheduler.py``):
+``_update_requests_with_invalid_blocks``, ``_handle_invalid_blocks`` and
+``_handle_failed_recving``. kvblocks splits it in two layers:
+
+* :func:`rollback_invalid_blocks` is the batch primitive. It works on plain columns
+  (block tables, token counts) and changes nothing: it returns the new
+  ``num_computed_tokens`` of every request, which requests were affected and which
+  blocks must be evicted.
+* :func:`update_requests_with_invalid_blocks`, :func:`handle_invalid_blocks` and
+  :func:`handle_failed_recving` are vLLM's entry points. They read the block tables
+  through a KV cache manager, run the primitive, and only then write
+  ``request.num_computed_tokens``: a call that raises changes nothing.
+
+Per request, in iteration order (vLLM's semantics, ``mode="vllm"``):
+
+* ``computed = num_computed_tokens - num_scheduled_tokens`` is what was computed
+  *before* this step. Only its ``cdiv(computed, block_size)`` blocks are scanned:
+  blocks holding nothing but this step's tokens were not loaded.
+* At the first invalid block that no earlier request of the batch has marked, the
+  request truncates to ``idx * block_size`` and (when collecting) puts that block and
+  every later block of its table up for eviction.
+* Every invalid block met is marked, even after the request has truncated.
+* A request whose invalid blocks were all marked by earlier requests only loses this
+  step's tokens (``num_computed_tokens = computed``): vLLM relies on the earlier
+  request rewriting the shared blocks in the same next step.
+
+``mode="strict"`` (kvblocks only) drops that sharing shortcut: every request truncates
+at its own first invalid block and collects its own tail. Guarantee: afterwards no
+invalid block lies within any request's tokens that are still counted as computed from
+before this step.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, SupportsIndex
+
+from kvblocks.errors import UnsupportedLayoutError
+
+__all__ = [
+    "BlockTableSource",
+    "EvictingBlockTableSource",
+    "InvalidBlocksOutcome",
+    "RequestLike",
+    "RollbackResult",
+    "handle_failed_recving",
+    "handle_invalid_blocks",
+    "rollback_invalid_blocks",
+    "update_requests_with_invalid_blocks",
+]
+
+#: vLLM's message when block-level failures meet a model with several KV cache groups.
+MULTIPLE_GROUPS_MESSAGE = (
+    "A KV connector reported block-level load failures (invalid_block_ids) which is not "
+    "supported for models with multiple KV cache groups. Connectors must report failed "
+    "requests via KVConnectorTransferResults.failed_recving instead."
+)
+
+_MODES = ("vllm", "strict")
+_POLICIES = ("fail", "recompute")
+
+
+class RequestLike(Protocol):
+    """What the entry points read and write on a request (vLLM's ``Request`` fits)."""
+
+    @property
+    def request_id(self) -> str:
+        """The id the KV cache manager and ``num_scheduled_tokens`` know it by."""
+        ...
+
+    num_computed_tokens: int
+
+
+class BlockTableSource(Protocol):
+    """A KV cache manager as far as the rollback reads it (vLLM's fits)."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    def get_block_ids(self, request_id: str) -> tuple[Sequence[int], ...]:
+        """The request's block table, one list per KV cache group."""
+        ...
+
+
+class EvictingBlockTableSource(BlockTableSource, Protocol):
+    """A KV cache manager that can also drop the hashes of blocks (``fail`` policy)."""
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Remove the blocks from the prefix cache."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackResult:
+    """What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
+
+    Attributes:
+        num_computed_tokens: The new value for every request of the batch, in order
+            (unchanged for requests that were not affected).
+        affected: Indices of the affected requests, in iteration order.
+        total_affected_tokens: Tokens rolled back over the batch, as vLLM counts them
+            for its log line. Never negative.
+        blocks_to_evict: Sorted block ids to remove from the prefix cache; empty unless
+            evictions were collected.
+    """
+
+    num_computed_tokens: list[int]
+    affected: list[int]
+    total_affected_tokens: int
+    blocks_to_evict: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidBlocksOutcome:
+    """What a load-failure handler did and what the scheduler must do next.
+
+    Attributes:
+        failed_req_ids: Requests to finish with ``FINISHED_ERROR`` (``fail`` policy).
+        rescheduled_req_ids: Running requests rolled back that the next step recomputes;
+            their output of this step must be discarded (``recompute`` policy).
+        retry_req_ids: Requests still waiting for remote KVs whose load must be retried
+            from their new ``num_computed_tokens`` once it finishes (``recompute``
+            policy; vLLM's ``failed_recving_kv_req_ids``).
+        evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
+        total_affected_tokens: Tokens rolled back (or lost with the failed requests).
+    """
+
+    failed_req_ids: set[str]
+    rescheduled_req_ids: set[str]
+    retry_req_ids: set[str]
+    evicted_block_ids: set[int]
+    total_affected_tokens: int
+
+
+def rollback_invalid_blocks(
+    block_tables: Iterable[Iterable[SupportsIndex]],
+    num_computed_tokens: Iterable[SupportsIndex],
+    num_scheduled_tokens: Iterable[SupportsIndex],
+    invalid_block_ids: Iterable[SupportsIndex],
+    block_size: SupportsIndex,
+    *,
+    collect_evictions: bool = True,
+    mode: str = "vllm",
+) -> RollbackResult:
+    """Decide how far every request of a batch rolls back past invalid blocks.
+
+    The batch primitive behind the other entry points: one entry per request in each
+    column, in iteration order (which matters: see the module docstring). Nothing is
+    changed; the caller applies the result.
+
+    Args:
+        block_tables: Each request's block ids (lists or NumPy integer arrays).
+        num_computed_tokens: Each request's ``num_computed_tokens``, this step included.
+        num_scheduled_tokens: Tokens scheduled for each request in this step (0 when it
+            was not scheduled).
+        invalid_block_ids: Block ids whose KV failed to load; duplicates are harmless and
+            ids no table holds are ignored.
+        block_size: Tokens per block.
+        collect_evictions: Whether to collect the blocks to evict (vLLM's
+            ``evict_blocks``; its async pass collects none).
+        mode: ``"vllm"`` (vLLM 0.33.0 exactly) or ``"strict"`` (no sharing shortcut).
+
+    Returns:
+        The new token counts, the affected indices, the affected-token total and the
+        sorted blocks to evict.
+
+    Raises:
+        TypeError: A value is not an integer.
+        ValueError: Bad mode, non-positive block size, columns of different lengths, a
+            negative count or id, more tokens scheduled than computed, or a block table
+            too short to hold the tokens computed before this step.
+    """
+    strict = _check_mode(mode)
+    tables = [_as_ints(table) for table in block_tables]
+    computed = _as_ints(num_computed_tokens)
+    scheduled = _as_ints(num_scheduled_tokens)
+    invalid = set(_as_ints(invalid_block_ids))
+    size = operator.index(block_size)
+    _validate_columns(tables, computed, scheduled, invalid, size)
+
+    new_computed = list(computed)
+    affected: list[int] = []
+    total_affected_tokens = 0
+    blocks_to_evict: set[int] = set()
+    # Shared across the batch (vLLM mode): the first request to meet an invalid block
+    # owns its recomputation; later requests sharing it do not truncate for it.
+    marked: set[int] = set()
+
+    for i, block_ids in enumerate(tables):
+        _check_block_ids(i, block_ids)
+        # Tokens computed before this step; only their blocks were loaded.
+        req_num_computed_tokens = computed[i] - scheduled[i]
+        scanned = block_ids[: _cdiv(req_num_computed_tokens, size)]
+        if invalid.isdisjoint(scanned):
+            continue  # the common case, decided at C speed
+        affected.append(i)
+        truncated = False
+        for idx, block_id in enumerate(scanned):
+            if block_id not in invalid:
+                continue
+            if not strict:
+                if block_id in marked:
+                    continue  # shared: an earlier request recomputes it
+                marked.add(block_id)
+                if truncated:
+                    continue  # marked for later requests, but we already truncated
+            truncated = True
+            # Block-aligned truncation at the first invalid block this request owns.
+            new_computed[i] = idx * size
+            total_affected_tokens += req_num_computed_tokens - new_computed[i]
+            if collect_evictions:
+                # The invalid block and everything after it, including blocks past the
+                # scanned range (e.g. the one allocated for this step's tokens).
+                blocks_to_evict.update(block_ids[idx:])
+            if strict:
+                break
+        if not truncated:
+            # Every invalid block was marked by an earlier request: only this step's
+            # tokens are lost; the earlier request rewrites the shared blocks.
+            total_affected_tokens += computed[i] - req_num_computed_tokens
+            new_computed[i] = req_num_computed_tokens
+
+    return RollbackResult(
+        num_computed_tokens=new_computed,
+        affected=affected,
+        total_affected_tokens=total_affected_tokens,
+        blocks_to_evict=sorted(blocks_to_evict),
+    )
+
+
+def update_requests_with_invalid_blocks(
+    kv_cache_manager: BlockTableSource,
+    requests: Iterable[RequestLike],
+    invalid_block_ids: Iterable[SupportsIndex],
+    num_scheduled_tokens: Mapping[str, SupportsIndex],
+    *,
+    evict_blocks: bool = True,
+    mode: str = "vllm",
+) -> tuple[set[str], int, set[int]]:
+    """vLLM's ``Scheduler._update_requests_with_invalid_blocks``.
+
+    Args:
+        kv_cache_manager: Source of the block tables (``get_block_ids``) and
+            ``block_size``; one KV cache group.
+        requests: The requests, in iteration order; each may appear once.
+        invalid_block_ids: Block ids whose KV failed to load.
+        num_scheduled_tokens: Request id to tokens scheduled this step; a missing id
+            means not scheduled.
+        evict_blocks: Whether to collect the blocks to evict.
+        mode: ``"vllm"`` or ``"strict"``.
+
+    Returns:
+        ``(affected_req_ids, total_affected_tokens, blocks_to_evict)``, as vLLM. The
+        affected requests' ``num_computed_tokens`` have been updated.
+
+    Raises:
+        TypeError: A value is not an integer.
+        ValueError: As :func:`rollback_invalid_blocks`, or a request given twice.
+        UnsupportedLayoutError: The manager has more than one KV cache group.
+    """
+    _check_mode(mode)
+    _check_single_group(kv_cache_manager)
+    batch = list(requests)
+    result = _rollback_requests(
+        kv_cache_manager,
+        batch,
+        invalid_block_ids,
+        num_scheduled_tokens,
+        collect_evictions=evict_blocks,
+        mode=mode,
+    )
+    affected_req_ids = _apply(batch, result)
+    return affected_req_ids, result.total_affected_tokens, set(result.blocks_to_evict)
+
+
+def handle_invalid_blocks(
+    kv_cache_manager: EvictingBlockTableSource,
+    invalid_block_ids: Iterable[SupportsIndex],
+    num_scheduled_tokens: Mapping[str, SupportsIndex],
+    *,
+    running: Iterable[RequestLike],
+    waiting_for_remote_kvs: Iterable[RequestLike] = (),
+    policy: str = "fail",
+    mode: str = "vllm",
+) -> InvalidBlocksOutcome:
+    """vLLM's ``Scheduler._handle_invalid_blocks``.
+
+    The async pass (``waiting_for_remote_kvs``, whose blocks were never hashed, so no
+    eviction is collected) and the sync pass (``running``) each have their own marked
+    set, so a block shared between an async and a sync request is recomputed by both.
+    Under ``fail`` the sync pass's blocks are evicted and every affected request is
+    failed; under ``recompute`` nothing is evicted, the sync requests are rescheduled
+    and the async ones retried.
+
+    Args:
+        kv_cache_manager: Source of the block tables and ``block_size``; receives
+            ``evict_blocks`` under ``fail``. ``num_kv_cache_groups`` (default 1) must be 1.
+        invalid_block_ids: Block ids whose KV failed to load; unmatched ids are ignored.
+        num_scheduled_tokens: Request id to tokens scheduled this step.
+        running: The running requests, in scheduling order.
+        waiting_for_remote_kvs: The requests whose async KV load is in flight.
+        policy: ``"fail"`` (vLLM's default) or ``"recompute"``.
+        mode: ``"vllm"`` or ``"strict"``.
+
+    Returns:
+        Which requests fail, are rescheduled or retried, what was evicted and how many
+        tokens were rolled back. The affected requests' ``num_computed_tokens`` have
+        been updated.
+
+    Raises:
+        TypeError: A value is not an integer.
+        ValueError: Bad policy or mode, as :func:`rollback_invalid_blocks`, or a request
+            given twice.
+        UnsupportedLayoutError: The manager has more than one KV cache group (checked
+            before anything else is looked at, as vLLM fails closed).
+    """
+    recompute = _check_policy(policy)
+    _check_mode(mode)
+    _check_single_group(kv_cache_manager)
+    async_requests = list(waiting_for_remote_kvs)
+    sync_requests = list(running)
+    _check_unique(async_requests + sync_requests)
+
+    # Both passes are decided before anything is written, so an error changes nothing.
+    async_result = _rollback_requests(
+        kv_cache_manager,
+        async_requests,
+        invalid_block_ids,
+        num_scheduled_tokens,
+        collect_evictions=False,
+        mode=mode,
+    )
+    sync_result = _rollback_requests(
+        kv_cache_manager,
+        sync_requests,
+        invalid_block_ids,
+        num_scheduled_tokens,
+        collect_evictions=True,
+        mode=mode,
+    )
+    evicted_block_ids: set[int] = set()
+    if sync_result.blocks_to_evict and not recompute:
+        # Under recompute the blocks keep their hashes and are rewritten in place.
+        evicted_block_ids = set(sync_result.blocks_to_evict)
+        kv_cache_manager.evict_blocks(evicted_block_ids)
+    async_affected = _apply(async_requests, async_result)
+    sync_affected = _apply(sync_requests, sync_result)
+
+    total_affected_tokens = async_result.total_affected_tokens + sync_result.total_affected_tokens
+    if recompute:
+        return InvalidBlocksOutcome(
+            failed_req_ids=set(),
+            rescheduled_req_ids=sync_affected,
+            retry_req_ids=async_affected,
+            evicted_block_ids=evicted_block_ids,
+            total_affected_tokens=total_affected_tokens,
+        )
+    return InvalidBlocksOutcome(
+        failed_req_ids=async_affected | sync_affected,
+        rescheduled_req_ids=set(),
+        retry_req_ids=set(),
+        evicted_block_ids=evicted_block_ids,
+        total_affected_tokens=total_affected_tokens,
+    )
+
+
+def handle_failed_recving(
+    failed_req_ids: Iterable[str],
+    waiting_for_remote_kvs: Iterable[RequestLike],
+    *,
+    policy: str = "fail",
+) -> InvalidBlocksOutcome:
+    """vLLM's ``Scheduler._handle_failed_recving``: whole-request load failures.
+
+    Only requests whose async load is in flight can fail this way; other ids (unknown
+    requests, running sync loads) are ignored, as in vLLM.
+
+    Args:
+        failed_req_ids: Request ids the connector reported as failed.
+        waiting_for_remote_kvs: The requests whose async KV load is in flight.
+        policy: ``"fail"`` (report them as failed, change nothing) or ``"recompute"``
+            (rewind them to 0 tokens and report them for retry).
+
+    Returns:
+        The failed or retried ids; ``total_affected_tokens`` counts the matched
+        requests' computed tokens, all of which are lost.
+
+    Raises:
+        TypeError: A token count is not an integer.
+        ValueError: Bad policy, a negative token count, or a request given twice.
+    """
+    recompute = _check_policy(policy)
+    failed = set(failed_req_ids)
+    waiting = list(waiting_for_remote_kvs)
+    _check_unique(waiting)
+    matched = [request for request in waiting if request.request_id in failed]
+    lost = [operator.index(request.num_computed_tokens) for request in matched]
+    for value in lost:
+        if value < 0:
+            raise ValueError(f"num_computed_tokens must be non-negative, got {value}")
+    matched_ids = {request.request_id for request in matched}
+    if recompute:
+        for request in matched:
+            request.num_computed_tokens = 0
+    return InvalidBlocksOutcome(
+        failed_req_ids=set() if recompute else matched_ids,
+        rescheduled_req_ids=set(),
+        retry_req_ids=matched_ids if recompute else set(),
+        evicted_block_ids=set(),
+        total_affected_tokens=sum(lost),
+    )
+
+
+def _rollback_requests(
+    kv_cache_manager: BlockTableSource,
+    requests: list[RequestLike],
+    invalid_block_ids: Iterable[SupportsIndex],
+    num_scheduled_tokens: Mapping[str, SupportsIndex],
+    *,
+    collect_evictions: bool,
+    mode: str,
+) -> RollbackResult:
+    """Gathers the columns of ``requests`` and runs :func:`rollback_invalid_blocks`."""
+    _check_unique(requests)
+    block_tables: list[Sequence[int]] = []
+    for request in requests:
+        groups = kv_cache_manager.get_block_ids(request.request_id)
+        if len(groups) != 1:
+            raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
+        block_tables.append(groups[0])
+    return rollback_invalid_blocks(
+        block_tables,
+        [request.num_computed_tokens for request in requests],
+        [num_scheduled_tokens.get(request.request_id, 0) for request in requests],
+        invalid_block_ids,
+        kv_cache_manager.block_size,
+        collect_evictions=collect_evictions,
+        mode=mode,
+    )
+
+
+def _apply(requests: list[RequestLike], result: RollbackResult) -> set[str]:
+    """Writes the affected requests' new token counts; returns their ids."""
+    for i in result.affected:
+        requests[i].num_computed_tokens = result.num_computed_tokens[i]
+    return {requests[i].request_id for i in result.affected}
+
+
+def _validate_columns(
+    tables: list[list[int]],
+    computed: list[int],
+    scheduled: list[int],
+    invalid: set[int],
+    block_size: int,
+) -> None:
+    """Every check that needs no block table contents, in the order both backends use."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if not len(tables) == len(computed) == len(scheduled):
+        raise ValueError(
+            "block_tables, num_computed_tokens and num_scheduled_tokens must have the same "
+            f"length, got {len(tables)}, {len(computed)} and {len(scheduled)}"
+        )
+    if invalid and min(invalid) < 0:
+        raise ValueError(f"invalid_block_ids must be non-negative, got {min(invalid)}")
+    for i, (block_ids, c, s) in enumerate(zip(tables, computed, scheduled, strict=True)):
+        if c < 0:
+            raise ValueError(f"num_computed_tokens[{i}] must be non-negative, got {c}")
+        if s < 0:
+            raise ValueError(f"num_scheduled_tokens[{i}] must be non-negative, got {s}")
+        if s > c:
+            raise ValueError(
+                f"num_scheduled_tokens[{i}] = {s} exceeds num_computed_tokens[{i}] = {c}"
+            )
+        # vLLM zips the scan range with the table, silently stopping at its end; a
+        # table that short cannot hold the tokens it claims, so it is refused.
+        needed = _cdiv(c - s, block_size)
+        if len(block_ids) < needed:
+            raise ValueError(
+                f"block_tables[{i}] has {len(block_ids)} blocks, fewer than the {needed} "
+                f"holding its {c - s} tokens computed before this step"
+            )
+
+
+def _check_block_ids(i: int, block_ids: list[int]) -> None:
+    """Refuses a negative id anywhere in request ``i``'s table (checked in request order)."""
+    if block_ids and min(block_ids) < 0:
+        j, block_id = next((j, b) for j, b in enumerate(block_ids) if b < 0)
+        raise ValueError(f"block_tables[{i}][{j}] must be non-negative, got {block_id}")
+
+
+def _check_unique(requests: list[RequestLike]) -> None:
+    """A request may appear once: vLLM's scheduler never lists one twice."""
+    seen: set[str] = set()
+    for request in requests:
+        if request.request_id in seen:
+            raise ValueError(f"request {request.request_id!r} appears more than once")
+        seen.add(request.request_id)
+
+
+def _check_single_group(kv_cache_manager: object) -> None:
+    """Block ids are unique only within a KV cache group: fail closed on several."""
+    if getattr(kv_cache_manager, "num_kv_cache_groups", 1) > 1:
+        raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
+
+
+def _check_mode(mode: str) -> bool:
+    """Validates ``mode``; returns whether it is strict."""
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'vllm' or 'strict', got {mode!r}")
+    return mode == "strict"
+
+
+def _check_policy(policy: str) -> bool:
+    """Validates ``policy``; returns whether it is ``recompute``."""
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be 'fail' or 'recompute', got {policy!r}")
+    return policy == "recompute"
+
+
+def _as_ints(values: Iterable[SupportsIndex]) -> list[int]:
+    """A list of Python ints from a sequence or a NumPy array.
+
+    One-dimensional NumPy integer arrays convert in C; everything else goes through
+    ``operator.index``, which raises the TypeError a non-integer deserves.
+    """
+    array: Any = values
+    kind = getattr(getattr(array, "dtype", None), "kind", None)
+    if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
+        ints: list[int] = array.tolist()
+        return ints
+    return [operator.index(value) for value in values]
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division for ``a >= 0, b > 0`` (vLLM's ``cdiv``)."""
+    return -(-a // b)
