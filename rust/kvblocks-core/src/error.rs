@@ -39,7 +39,10 @@ pub enum Error {
     /// `cache_full_blocks` got fewer hashes than blocks to cache.
     TooFewHashes { needed: usize, got: usize },
     /// `cache_full_blocks` was told to cache past the end of the block table.
-    TooManyFullBlocks { num_full_blocks: usize, num_block_ids: usize },
+    TooManyFullBlocks {
+        num_full_blocks: usize,
+        num_block_ids: usize,
+    },
     /// A block hash longer than the 32 bytes a SHA-256 digest has.
     HashTooLong { len: usize },
     /// Any other bad argument value; the message is complete.
@@ -75,9 +78,15 @@ impl fmt::Display for Error {
             Self::NonPositive { name, value } => write!(f, "{name} must be positive, got {value}"),
             Self::Negative { name, value } => write!(f, "{name} must be non-negative, got {value}"),
             Self::NoFreeBlocks { requested, free } => {
-                write!(f, "Cannot get {requested} free blocks from the pool ({free} free)")
+                write!(
+                    f,
+                    "Cannot get {requested} free blocks from the pool ({free} free)"
+                )
             }
-            Self::UnknownBlock { block_id, num_blocks } => write!(
+            Self::UnknownBlock {
+                block_id,
+                num_blocks,
+            } => write!(
                 f,
                 "block id {block_id} is out of range for a pool of {num_blocks} blocks"
             ),
@@ -88,7 +97,10 @@ impl fmt::Display for Error {
             Self::TooFewHashes { needed, got } => {
                 write!(f, "need {needed} block hashes, got {got}")
             }
-            Self::TooManyFullBlocks { num_full_blocks, num_block_ids } => write!(
+            Self::TooManyFullBlocks {
+                num_full_blocks,
+                num_block_ids,
+            } => write!(
                 f,
                 "num_full_blocks {num_full_blocks} exceeds the {num_block_ids} block ids given"
             ),
