@@ -1,10 +1,11 @@
-//! `kvblocks._native`: PyO3 bindings of kvblocks-core. Conversions and delegation only.
+//! `kvblocks._native`: `PyO3` bindings of kvblocks-core. Conversions and delegation only.
 
 mod convert;
 mod errors;
 mod manager;
 mod pool;
 mod request;
+mod rollback;
 
 use pyo3::prelude::*;
 
@@ -15,6 +16,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyKVCacheManager>()?;
     m.add_class::<manager::PyPrefixCacheStats>()?;
     m.add_class::<request::PyRequest>()?;
-    m.add("__all__", ["BlockPool", "KVCacheBlock", "KVCacheManager", "PrefixCacheStats"])?;
+    m.add_class::<rollback::PyRollbackResult>()?;
+    m.add_class::<rollback::PyInvalidBlocksOutcome>()?;
+    m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(rollback::update_requests_with_invalid_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(rollback::handle_invalid_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(rollback::handle_failed_recving, m)?)?;
+    m.add("__all__", ["BlockPool", "KVCacheBlock", "KVCacheManager", "PrefixCacheStats", "InvalidBlocksOutcome", "RollbackResult", "rollback_invalid_blocks", "update_requests_with_invalid_blocks", "handle_invalid_blocks", "handle_failed_recving"])?;
     Ok(())
 }

@@ -22,11 +22,14 @@ pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     BlockHash::new(bytes.as_bytes()).py()
 }
 
-/// Converts a group id, refusing negative values like the reference does.
+/// Converts a group id, with the reference's messages for values outside `u32`.
 fn group_id(value: i64, name: &'static str) -> PyResult<u32> {
+    if value < 0 {
+        return Err(kvblocks_core::Error::Negative { name, value }).py();
+    }
     u32::try_from(value).map_err(|_| {
-        kvblocks_core::Error::Negative { name, value }
-    }).py()
+        pyo3::exceptions::PyValueError::new_err(format!("{name} must be at most {}, got {value}", u32::MAX))
+    })
 }
 
 /// A read-only snapshot of one block, as returned by ``BlockPool.get_block``.

@@ -1,0 +1,492 @@
+//! The rollback entry points for Python: gather columns, call
+//! `kvblocks_core::rollback`, write the decided token counts back.
+//!
+//! The core decides everything before anything is written, so a call that raises
+//! changes nothing. With a native `KVCacheManager` the block tables are read in place
+//! from Rust; any other manager is asked through `get_block_ids`, once per request.
+
+use std::collections::HashSet;
+
+use kvblocks_core::rollback::{
+    self, Batch, BlockIds, Mode, Policy, Rollback, MULTIPLE_GROUPS_MESSAGE,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PyDict, PySet, PyString};
+use pyo3::Borrowed;
+
+use crate::convert::{int_column, IntColumn};
+use crate::errors::{IntoPyResult, UnsupportedLayoutError};
+use crate::manager::PyKVCacheManager;
+
+/// `mode="vllm" | "strict"`. Extraction never fails, so that a bad value is refused
+/// inside the call with the reference's exact message (PyO3 would annotate an
+/// extraction error with a note the reference does not add).
+pub struct ModeArg(Result<Mode, String>);
+
+impl ModeArg {
+    const VLLM: Self = Self(Ok(Mode::Vllm));
+
+    fn get(&self) -> PyResult<Mode> {
+        self.0.clone().map_err(|got| PyValueError::new_err(format!("mode must be 'vllm' or 'strict', got {got}")))
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ModeArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let name = obj.cast::<PyString>().ok().and_then(|s| s.to_str().ok().and_then(Mode::from_name));
+        Ok(Self(name.ok_or_else(|| repr(&obj))))
+    }
+}
+
+/// `policy="fail" | "recompute"`, validated inside the call like [`ModeArg`].
+pub struct PolicyArg(Result<Policy, String>);
+
+impl PolicyArg {
+    const FAIL: Self = Self(Ok(Policy::Fail));
+
+    fn get(&self) -> PyResult<Policy> {
+        self.0
+            .clone()
+            .map_err(|got| PyValueError::new_err(format!("policy must be 'fail' or 'recompute', got {got}")))
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let name = obj.cast::<PyString>().ok().and_then(|s| s.to_str().ok().and_then(Policy::from_name));
+        Ok(Self(name.ok_or_else(|| repr(&obj))))
+    }
+}
+
+fn repr(obj: &Borrowed<'_, '_, PyAny>) -> String {
+    obj.repr().map_or_else(|_| "<unrepresentable>".to_owned(), |r| r.to_string())
+}
+
+/// What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
+#[pyclass(module = "kvblocks._native", name = "RollbackResult", frozen)]
+pub struct PyRollbackResult {
+    #[pyo3(get)]
+    num_computed_tokens: Vec<i64>,
+    #[pyo3(get)]
+    affected: Vec<usize>,
+    #[pyo3(get)]
+    total_affected_tokens: u128,
+    #[pyo3(get)]
+    blocks_to_evict: Vec<i64>,
+}
+
+#[pymethods]
+impl PyRollbackResult {
+    #[new]
+    #[pyo3(signature = (num_computed_tokens, affected, total_affected_tokens, blocks_to_evict))]
+    fn new(num_computed_tokens: Vec<i64>, affected: Vec<usize>, total_affected_tokens: u128, blocks_to_evict: Vec<i64>) -> Self {
+        Self { num_computed_tokens, affected, total_affected_tokens, blocks_to_evict }
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<Self>().is_ok_and(|o| {
+            let o = o.get();
+            o.num_computed_tokens == self.num_computed_tokens
+                && o.affected == self.affected
+                && o.total_affected_tokens == self.total_affected_tokens
+                && o.blocks_to_evict == self.blocks_to_evict
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RollbackResult(num_computed_tokens={:?}, affected={:?}, total_affected_tokens={}, blocks_to_evict={:?})",
+            self.num_computed_tokens, self.affected, self.total_affected_tokens, self.blocks_to_evict
+        )
+    }
+}
+
+impl From<Rollback> for PyRollbackResult {
+    fn from(r: Rollback) -> Self {
+        Self {
+            num_computed_tokens: r.num_computed_tokens,
+            affected: r.affected,
+            total_affected_tokens: r.total_affected_tokens,
+            blocks_to_evict: r.blocks_to_evict,
+        }
+    }
+}
+
+/// What a load-failure handler did and what the scheduler must do next.
+#[pyclass(module = "kvblocks._native", name = "InvalidBlocksOutcome", frozen)]
+pub struct PyInvalidBlocksOutcome {
+    failed_req_ids: HashSet<String>,
+    rescheduled_req_ids: HashSet<String>,
+    retry_req_ids: HashSet<String>,
+    evicted_block_ids: HashSet<i64>,
+    #[pyo3(get)]
+    total_affected_tokens: u128,
+}
+
+#[pymethods]
+impl PyInvalidBlocksOutcome {
+    #[new]
+    #[pyo3(signature = (failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens))]
+    fn new(
+        failed_req_ids: HashSet<String>,
+        rescheduled_req_ids: HashSet<String>,
+        retry_req_ids: HashSet<String>,
+        evicted_block_ids: HashSet<i64>,
+        total_affected_tokens: u128,
+    ) -> Self {
+        Self { failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens }
+    }
+
+    // Sets are handed out as new Python sets: the outcome itself stays immutable.
+    #[getter]
+    fn failed_req_ids(&self) -> HashSet<String> {
+        self.failed_req_ids.clone()
+    }
+
+    #[getter]
+    fn rescheduled_req_ids(&self) -> HashSet<String> {
+        self.rescheduled_req_ids.clone()
+    }
+
+    #[getter]
+    fn retry_req_ids(&self) -> HashSet<String> {
+        self.retry_req_ids.clone()
+    }
+
+    #[getter]
+    fn evicted_block_ids(&self) -> HashSet<i64> {
+        self.evicted_block_ids.clone()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<Self>().is_ok_and(|o| {
+            let o = o.get();
+            o.failed_req_ids == self.failed_req_ids
+                && o.rescheduled_req_ids == self.rescheduled_req_ids
+                && o.retry_req_ids == self.retry_req_ids
+                && o.evicted_block_ids == self.evicted_block_ids
+                && o.total_affected_tokens == self.total_affected_tokens
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        fn sorted(s: &HashSet<String>) -> Vec<&String> {
+            let mut v: Vec<&String> = s.iter().collect();
+            v.sort();
+            v
+        }
+        let mut evicted: Vec<&i64> = self.evicted_block_ids.iter().collect();
+        evicted.sort();
+        format!(
+            "InvalidBlocksOutcome(failed_req_ids={:?}, rescheduled_req_ids={:?}, retry_req_ids={:?}, evicted_block_ids={:?}, total_affected_tokens={})",
+            sorted(&self.failed_req_ids),
+            sorted(&self.rescheduled_req_ids),
+            sorted(&self.retry_req_ids),
+            evicted,
+            self.total_affected_tokens
+        )
+    }
+}
+
+/// Every table of a batch, as integer columns borrowed or converted from Python.
+fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
+    block_tables.try_iter()?.map(|t| int_column(&t?)).collect()
+}
+
+#[pyfunction]
+#[pyo3(
+    signature = (
+        block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size,
+        *, collect_evictions=true, mode=ModeArg::VLLM
+    ),
+    text_signature = "(block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size, *, collect_evictions=True, mode='vllm')"
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn rollback_invalid_blocks(
+    block_tables: &Bound<'_, PyAny>,
+    num_computed_tokens: &Bound<'_, PyAny>,
+    num_scheduled_tokens: &Bound<'_, PyAny>,
+    invalid_block_ids: &Bound<'_, PyAny>,
+    block_size: i64,
+    collect_evictions: bool,
+    mode: ModeArg,
+) -> PyResult<PyRollbackResult> {
+    let mode = mode.get()?;
+    let tables = table_columns(block_tables)?;
+    let computed = int_column(num_computed_tokens)?;
+    let scheduled = int_column(num_scheduled_tokens)?;
+    let invalid = int_column(invalid_block_ids)?;
+    let views: Vec<&[i64]> = tables.iter().map(|t| &**t).collect();
+    let batch = Batch { block_tables: &views, num_computed_tokens: &computed, num_scheduled_tokens: &scheduled };
+    rollback::rollback_invalid_blocks(batch, &invalid, block_size, collect_evictions, mode)
+        .py()
+        .map(PyRollbackResult::from)
+}
+
+/// The requests of one pass, as the columns the core reads.
+struct RequestColumns<'py> {
+    requests: Vec<Bound<'py, PyAny>>,
+    ids: Vec<PyBackedStr>,
+    computed: Vec<i64>,
+    scheduled: Vec<i64>,
+}
+
+impl<'py> RequestColumns<'py> {
+    fn gather(requests: &Bound<'py, PyAny>, num_scheduled_tokens: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let requests: Vec<Bound<'py, PyAny>> = requests.try_iter()?.collect::<PyResult<_>>()?;
+        let scheduled_map = num_scheduled_tokens.cast::<PyDict>().ok();
+        let mut cols = Self {
+            ids: Vec::with_capacity(requests.len()),
+            computed: Vec::with_capacity(requests.len()),
+            scheduled: Vec::with_capacity(requests.len()),
+            requests: Vec::new(),
+        };
+        for request in &requests {
+            let id: PyBackedStr = request.getattr("request_id")?.extract()?;
+            cols.computed.push(request.getattr("num_computed_tokens")?.extract()?);
+            let scheduled = match &scheduled_map {
+                Some(map) => map.get_item(&*id)?,
+                None => num_scheduled_tokens.call_method1("get", (&*id, 0))?.into(),
+            };
+            cols.scheduled.push(scheduled.map_or(Ok(0), |s| s.extract())?);
+            cols.ids.push(id);
+        }
+        cols.requests = requests;
+        Ok(cols)
+    }
+
+    /// A request may appear once in a call, as in vLLM's scheduler.
+    fn check_unique<'a>(&'a self, seen: &mut HashSet<&'a str>) -> PyResult<()> {
+        for (id, request) in self.ids.iter().zip(&self.requests) {
+            if !seen.insert(id) {
+                let id_repr = request.getattr("request_id")?.repr()?;
+                return Err(PyValueError::new_err(format!("request {id_repr} appears more than once")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the decided counts of the affected requests; returns their ids.
+    fn apply(&self, result: &Rollback) -> PyResult<HashSet<String>> {
+        let mut affected = HashSet::with_capacity(result.affected.len());
+        for &i in &result.affected {
+            let (Some(request), Some(value)) = (self.requests.get(i), result.num_computed_tokens.get(i)) else {
+                continue;
+            };
+            request.setattr("num_computed_tokens", *value)?;
+            affected.insert(self.ids[i].to_string());
+        }
+        Ok(affected)
+    }
+}
+
+/// The block tables of one pass: borrowed from a native manager, or fetched through
+/// `get_block_ids` from any other.
+enum Tables<'m> {
+    Native(Vec<&'m [u32]>),
+    Python(Vec<IntColumn>),
+}
+
+fn fetch_tables<'m>(
+    manager: &Bound<'_, PyAny>,
+    native: Option<&'m PyKVCacheManager>,
+    cols: &RequestColumns<'_>,
+) -> PyResult<Tables<'m>> {
+    if let Some(native) = native {
+        return Ok(Tables::Native(cols.ids.iter().map(|id| native.inner.get_block_ids(id)).collect()));
+    }
+    let mut tables = Vec::with_capacity(cols.ids.len());
+    for id in &cols.ids {
+        let groups = manager.call_method1("get_block_ids", (&**id,))?;
+        if groups.len()? != 1 {
+            return Err(UnsupportedLayoutError::new_err(MULTIPLE_GROUPS_MESSAGE));
+        }
+        tables.push(int_column(&groups.get_item(0)?)?);
+    }
+    Ok(Tables::Python(tables))
+}
+
+impl Tables<'_> {
+    fn ids(&self) -> Vec<BlockIds<'_>> {
+        match self {
+            Self::Native(t) => t.iter().map(|t| BlockIds::U32(t)).collect(),
+            Self::Python(t) => t.iter().map(|t| BlockIds::I64(t)).collect(),
+        }
+    }
+}
+
+fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match manager.getattr_opt("num_kv_cache_groups")? {
+        Some(n) => n.extract(),
+        None => Ok(1),
+    }
+}
+
+fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
+    if num_kv_cache_groups(manager)? > 1 {
+        return Err(UnsupportedLayoutError::new_err(MULTIPLE_GROUPS_MESSAGE));
+    }
+    Ok(())
+}
+
+#[pyfunction]
+#[pyo3(
+    signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=true, mode=ModeArg::VLLM),
+    text_signature = "(kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=True, mode='vllm')"
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn update_requests_with_invalid_blocks<'py>(
+    py: Python<'py>,
+    kv_cache_manager: &Bound<'py, PyAny>,
+    requests: &Bound<'py, PyAny>,
+    invalid_block_ids: &Bound<'py, PyAny>,
+    num_scheduled_tokens: &Bound<'py, PyAny>,
+    evict_blocks: bool,
+    mode: ModeArg,
+) -> PyResult<(HashSet<String>, u128, Bound<'py, PySet>)> {
+    let mode = mode.get()?;
+    check_single_group(kv_cache_manager)?;
+    let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
+    cols.check_unique(&mut HashSet::new())?;
+    let native = kv_cache_manager.cast::<PyKVCacheManager>().ok().map(Bound::borrow);
+    let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
+    let invalid = int_column(invalid_block_ids)?;
+    let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
+    let ids = tables.ids();
+    let batch = Batch { block_tables: &ids, num_computed_tokens: &cols.computed, num_scheduled_tokens: &cols.scheduled };
+    let result = rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks, mode).py()?;
+    drop(native);
+    let affected = cols.apply(&result)?;
+    let to_evict = PySet::new(py, &result.blocks_to_evict)?;
+    Ok((affected, result.total_affected_tokens, to_evict))
+}
+
+#[pyfunction]
+#[pyo3(
+    signature = (
+        kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running,
+        waiting_for_remote_kvs=None, policy=PolicyArg::FAIL, mode=ModeArg::VLLM
+    ),
+    text_signature = "(kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running, waiting_for_remote_kvs=(), policy='fail', mode='vllm')"
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn handle_invalid_blocks<'py>(
+    py: Python<'py>,
+    kv_cache_manager: &Bound<'py, PyAny>,
+    invalid_block_ids: &Bound<'py, PyAny>,
+    num_scheduled_tokens: &Bound<'py, PyAny>,
+    running: &Bound<'py, PyAny>,
+    waiting_for_remote_kvs: Option<&Bound<'py, PyAny>>,
+    policy: PolicyArg,
+    mode: ModeArg,
+) -> PyResult<PyInvalidBlocksOutcome> {
+    let (policy, mode) = (policy.get()?, mode.get()?);
+    // Fail closed before any request is looked at, as vLLM does.
+    check_single_group(kv_cache_manager)?;
+    let empty = pyo3::types::PyTuple::empty(py).into_any();
+    let waiting = RequestColumns::gather(waiting_for_remote_kvs.unwrap_or(&empty), num_scheduled_tokens)?;
+    let sync = RequestColumns::gather(running, num_scheduled_tokens)?;
+    let mut seen = HashSet::new();
+    waiting.check_unique(&mut seen)?;
+    sync.check_unique(&mut seen)?;
+
+    let native = kv_cache_manager.cast::<PyKVCacheManager>().ok().map(Bound::borrow);
+    let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
+    let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
+    let invalid = int_column(invalid_block_ids)?;
+    let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
+    let (waiting_ids, sync_ids) = (waiting_tables.ids(), sync_tables.ids());
+    let outcome = rollback::handle_invalid_blocks(
+        Batch { block_tables: &waiting_ids, num_computed_tokens: &waiting.computed, num_scheduled_tokens: &waiting.scheduled },
+        Batch { block_tables: &sync_ids, num_computed_tokens: &sync.computed, num_scheduled_tokens: &sync.scheduled },
+        &invalid,
+        block_size,
+        1,
+        policy,
+        mode,
+    )
+    .py()?;
+    drop(native);
+
+    // Evict first: if the manager refuses, no request has been changed yet.
+    if !outcome.evicted_block_ids.is_empty() {
+        match kv_cache_manager.cast::<PyKVCacheManager>() {
+            Ok(native) => {
+                native.borrow_mut().inner.evict_blocks(&outcome.evicted_block_ids).py()?;
+            }
+            Err(_) => {
+                kv_cache_manager.call_method1("evict_blocks", (PySet::new(py, &outcome.evicted_block_ids)?,))?;
+            }
+        }
+    }
+    let waiting_affected = waiting.apply(&outcome.waiting)?;
+    let sync_affected = sync.apply(&outcome.running)?;
+    let evicted_block_ids = outcome.evicted_block_ids.iter().copied().collect();
+    let total_affected_tokens = outcome.total_affected_tokens;
+    Ok(match policy {
+        Policy::Recompute => PyInvalidBlocksOutcome {
+            failed_req_ids: HashSet::new(),
+            rescheduled_req_ids: sync_affected,
+            retry_req_ids: waiting_affected,
+            evicted_block_ids,
+            total_affected_tokens,
+        },
+        Policy::Fail => PyInvalidBlocksOutcome {
+            failed_req_ids: waiting_affected.into_iter().chain(sync_affected).collect(),
+            rescheduled_req_ids: HashSet::new(),
+            retry_req_ids: HashSet::new(),
+            evicted_block_ids,
+            total_affected_tokens,
+        },
+    })
+}
+
+#[pyfunction]
+#[pyo3(
+    signature = (failed_req_ids, waiting_for_remote_kvs, *, policy=PolicyArg::FAIL),
+    text_signature = "(failed_req_ids, waiting_for_remote_kvs, *, policy='fail')"
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn handle_failed_recving(
+    failed_req_ids: &Bound<'_, PyAny>,
+    waiting_for_remote_kvs: &Bound<'_, PyAny>,
+    policy: PolicyArg,
+) -> PyResult<PyInvalidBlocksOutcome> {
+    let policy = policy.get()?;
+    let failed: HashSet<String> = failed_req_ids.try_iter()?.map(|id| id?.extract()).collect::<PyResult<_>>()?;
+    let empty = PyDict::new(failed_req_ids.py()).into_any();
+    let waiting = RequestColumns::gather(waiting_for_remote_kvs, &empty)?;
+    waiting.check_unique(&mut HashSet::new())?;
+    let mut matched = Vec::new();
+    let mut lost: u128 = 0;
+    for (i, id) in waiting.ids.iter().enumerate() {
+        if failed.contains(&**id) {
+            let value = waiting.computed[i];
+            let value = u128::try_from(value).map_err(|_| {
+                PyValueError::new_err(format!("num_computed_tokens must be non-negative, got {value}"))
+            })?;
+            lost += value;
+            matched.push(i);
+        }
+    }
+    let matched_ids: HashSet<String> = matched.iter().map(|&i| waiting.ids[i].to_string()).collect();
+    let recompute = matches!(policy, Policy::Recompute);
+    if recompute {
+        for &i in &matched {
+            waiting.requests[i].setattr("num_computed_tokens", 0)?;
+        }
+    }
+    Ok(PyInvalidBlocksOutcome {
+        failed_req_ids: if recompute { HashSet::new() } else { matched_ids.clone() },
+        rescheduled_req_ids: HashSet::new(),
+        retry_req_ids: if recompute { matched_ids } else { HashSet::new() },
+        evicted_block_ids: HashSet::new(),
+        total_affected_tokens: lost,
+    })
+}
