@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TextIO
 
-from kvblocks.bench.workloads import Workload, workloads
+from kvblocks.bench.workloads import Workload, all_workloads
 
 __all__ = ["BenchResult", "run", "vllm_status"]
 
@@ -183,7 +183,7 @@ def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
 
 def main(names: Sequence[str], quick: bool, rounds: int | None, out: Path | None) -> int:
     """``kvblocks bench``: returns the process exit code."""
-    available = {w.name: w for w in workloads(quick)}
+    available = {w.name: w for w in all_workloads(quick)}
     prefixes = list(names)
     selected = [
         w for w in available.values() if not prefixes or any(w.name.startswith(p) for p in prefixes)

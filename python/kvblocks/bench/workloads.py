@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-__all__ = ["WORKLOADS", "Workload", "workloads"]
+__all__ = ["ALGOS", "Workload", "all_workloads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,6 @@ class Workload:
         setup: ``setup(backend) -> state``: a fresh state, not timed.
         run: ``run(backend, state) -> result``: the timed part.
         check: ``check(state, result)``: raises if the run went wrong, not timed.
-        numpy_input: Whether the native backend is fed NumPy arrays (its natural input).
     """
 
     name: str
@@ -54,20 +53,24 @@ def _digest(*parts: object) -> bytes:
 @dataclass(frozen=True, slots=True)
 class _ChurnScript:
     num_blocks: int
-    families: list[list[bytes]]  # per prefix family, the hash chain of its blocks
-    steps: list[tuple[int, int, int]]  # (family or -1 for a free, blocks, victim draw)
+    # Per step: (hash chain, blocks to allocate, lookup prefix, victim draw). A step with
+    # 0 blocks frees the live request picked by the victim draw.
+    steps: list[tuple[list[bytes], int, list[bytes], int]]
 
 
 def _churn_script(num_blocks: int, num_steps: int, seed: int) -> _ChurnScript:
     rng = random.Random(seed)
     families = [[_digest(seed, f, i) for i in range(64)] for f in range(32)]
-    steps: list[tuple[int, int, int]] = []
+    steps: list[tuple[list[bytes], int, list[bytes], int]] = []
     for _ in range(num_steps):
         if rng.random() < 0.55:
-            steps.append((rng.randrange(len(families)), rng.randint(4, 64), 0))
+            chain = families[rng.randrange(len(families))]
+            n = rng.randint(4, 64)
+            # The lookup never covers the last block: vLLM recomputes the last token.
+            steps.append((chain, n, chain[: n - 1], 0))
         else:
-            steps.append((-1, 0, rng.randrange(1 << 30)))
-    return _ChurnScript(num_blocks, families, steps)
+            steps.append(([], 0, [], rng.randrange(1 << 30)))
+    return _ChurnScript(num_blocks, steps)
 
 
 def _churn_setup(script: _ChurnScript) -> Callable[[ModuleType], Any]:
@@ -81,20 +84,17 @@ def _churn_run(script: _ChurnScript) -> Callable[[ModuleType, Any], Any]:
     def run(backend: ModuleType, pool: Any) -> Any:
         live: list[list[int]] = []
         allocated = 0
-        for family, num_blocks, victim in script.steps:
-            if family < 0 or pool.get_num_free_blocks() < num_blocks:
+        for chain, num_blocks, prefix, victim in script.steps:
+            if num_blocks == 0 or pool.get_num_free_blocks() < num_blocks:
                 if live:
-                    table = live.pop(victim % len(live))
-                    pool.free_blocks(table[::-1])  # tail first, as vLLM frees
+                    # Swap-remove a random live request and free it tail first.
+                    i = victim % len(live)
+                    table = live[i]
+                    live[i] = live[-1]
+                    live.pop()
+                    pool.free_blocks(table[::-1])
                 continue
-            chain = script.families[family]
-            # The longest cached prefix, one lookup per block as vLLM's manager does.
-            hits: list[int] = []
-            for block_hash in chain[: num_blocks - 1]:
-                cached = pool.get_cached_block(block_hash)
-                if cached is None:
-                    break
-                hits.append(cached[0])
+            hits = pool.find_longest_cache_hit(prefix)
             pool.touch(hits)
             table = hits + pool.get_new_blocks(num_blocks - len(hits))
             pool.cache_full_blocks(table, chain, len(hits), num_blocks)
@@ -113,7 +113,285 @@ def _churn_check(state: Any, result: Any) -> None:
     assert allocated > 0
 
 
+# --------------------------------------------------------------------------- chat manager
+
+_ADMIT, _DECODE, _FINISH = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatScript:
+    num_blocks: int
+    block_size: int
+    # (kind, session, payload): admit carries the prompt, decode one token id.
+    events: list[tuple[int, int, Any]]
+
+
+def _chat_script(num_sessions: int, turns: int, seed: int) -> _ChatScript:
+    """Multi-turn sessions over one shared system prompt, interleaved like a scheduler."""
+    rng = random.Random(seed)
+    system = [rng.randrange(32_000) for _ in range(1_024)]
+    history = {s: list(system) for s in range(num_sessions)}
+    remaining = {s: turns for s in range(num_sessions)}
+    decoding: dict[int, int] = {}
+    events: list[tuple[int, int, Any]] = []
+    while remaining or decoding:
+        # Admit new turns while fewer than 64 sessions decode, then one decode step each.
+        idle = [s for s in remaining if s not in decoding]
+        while idle and len(decoding) < 64:
+            s = idle.pop(rng.randrange(len(idle)))
+            history[s] += [rng.randrange(32_000) for _ in range(rng.randint(16, 256))]
+            events.append((_ADMIT, s, list(history[s])))
+            decoding[s] = rng.randint(8, 128)
+        for s in list(decoding):
+            token = rng.randrange(32_000)
+            history[s].append(token)
+            events.append((_DECODE, s, token))
+            decoding[s] -= 1
+            if decoding[s] == 0:
+                del decoding[s]
+                events.append((_FINISH, s, None))
+                remaining[s] -= 1
+                if remaining[s] == 0:
+                    del remaining[s]
+    return _ChatScript(num_blocks=16_384, block_size=16, events=events)
+
+
+def _chat_run(script: _ChatScript) -> Callable[[ModuleType, Any], Any]:
+    def run(backend: ModuleType, state: Any) -> Any:
+        manager, hasher = state
+        live: dict[int, Any] = {}
+        turns: dict[int, int] = {}
+        rejected = 0
+        for kind, session, payload in script.events:
+            if kind == _ADMIT:
+                turn = turns[session] = turns.get(session, 0) + 1
+                request = backend.Request(f"s{session}-{turn}", payload, block_hasher=hasher)
+                blocks, hit = manager.get_computed_blocks(request)
+                if manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is None:
+                    rejected += 1
+                    continue
+                request.num_computed_tokens = request.num_tokens
+                live[session] = request
+            elif kind == _DECODE:
+                request = live.get(session)
+                if request is None:
+                    continue
+                request.append_output_token_ids(payload)
+                if manager.allocate_slots(request, 1) is not None:
+                    request.num_computed_tokens += 1
+            else:
+                request = live.pop(session, None)
+                if request is not None:
+                    manager.free(request)
+        return rejected
+
+    return run
+
+
+def _chat_check(state: Any, rejected: Any) -> None:
+    manager, _ = state
+    pool = manager.block_pool
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1, "blocks leaked"
+    assert rejected == 0
+
+
+def manager_chat(num_sessions: int = 256, turns: int = 3, seed: int = 0) -> Workload:
+    """A chat-like manager workload: shared system prompt, multi-turn sessions, decodes."""
+    script = _chat_script(num_sessions, turns, seed)
+
+    def setup(backend: ModuleType) -> Any:
+        hasher = backend.BlockHasher(script.block_size, "sha256", "0")
+        return backend.KVCacheManager(script.num_blocks, script.block_size), hasher
+
+    return Workload(
+        name="manager_chat",
+        group="manager chat",
+        description=(
+            f"KVCacheManager: {num_sessions} sessions x {turns} turns, shared system prompt"
+        ),
+        ops=len(script.events),
+        op_name="event",
+        setup=setup,
+        run=_chat_run(script),
+        check=_chat_check,
+    )
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def hashing(algo: str, num_tokens: int = 131_072, block_size: int = 16) -> Workload:
+    """Hashing one long prompt's full blocks with one algorithm."""
+    rng = random.Random(num_tokens)
+    tokens = [rng.randrange(150_000) for _ in range(num_tokens)]
+
+    def setup(backend: ModuleType) -> Any:
+        return backend.BlockHasher(block_size, algo, "0")
+
+    def run(backend: ModuleType, hasher: Any) -> Any:
+        return hasher.hash_blocks(tokens)
+
+    def check(hasher: Any, hashes: Any) -> None:
+        assert len(hashes) == num_tokens // block_size
+        assert hashes[0] == hasher.hash_block(None, tokens[:block_size])
+
+    return Workload(
+        name=f"hash_{algo}",
+        group="hashing",
+        description=f"BlockHasher({algo!r}).hash_blocks: {num_tokens:,} tokens, block {block_size}",
+        ops=num_tokens // block_size,
+        op_name="block",
+        setup=setup,
+        run=run,
+        check=check,
+    )
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+@dataclass(frozen=True, slots=True)
+class _RollbackInput:
+    tables: list[list[int]]
+    computed: list[int]
+    scheduled: list[int]
+    invalid: list[int]
+    block_size: int
+
+
+def _rollback_input(num_requests: int, blocks_per_request: int, seed: int) -> _RollbackInput:
+    """Requests in groups of 8 sharing a 200-block prefix, scattered invalid ids."""
+    rng = random.Random(seed)
+    block_size = 16
+    tables: list[list[int]] = []
+    next_id = 1
+    shared: list[int] = []
+    for i in range(num_requests):
+        if i % 8 == 0:
+            shared = list(range(next_id, next_id + 200))
+            next_id += 200
+        own = blocks_per_request - len(shared)
+        tables.append(shared + list(range(next_id, next_id + own)))
+        next_id += own
+    scheduled = [rng.choice((0, 1, 16, 64)) for _ in range(num_requests)]
+    computed = [blocks_per_request * block_size - rng.randrange(block_size) for _ in tables]
+    invalid = rng.sample(range(1, next_id), 100)
+    return _RollbackInput(tables, computed, scheduled, invalid, block_size)
+
+
+def rollback(num_requests: int, native_input: str = "numpy", seed: int = 0) -> Workload:
+    """The batch primitive over ``num_requests`` x 1,000-block tables.
+
+    The reference gets lists (its natural input); the native backend gets NumPy int64
+    arrays (``native_input="numpy"``) or the same lists (``"lists"``).
+    """
+    data = _rollback_input(num_requests, 1_000, seed)
+    native_tables: list[Any] = data.tables
+    if native_input == "numpy":
+        import numpy as np
+
+        native_tables = [np.asarray(t, dtype=np.int64) for t in data.tables]
+
+    def setup(backend: ModuleType) -> Any:
+        return native_tables if backend.__name__.endswith("_native") else data.tables
+
+    def run(backend: ModuleType, tables: Any) -> Any:
+        return backend.rollback_invalid_blocks(
+            tables, data.computed, data.scheduled, data.invalid, data.block_size
+        )
+
+    def check(tables: Any, result: Any) -> None:
+        assert len(result.num_computed_tokens) == num_requests
+        assert result.affected, "the invalid ids hit no request"
+        assert result.total_affected_tokens >= 0
+
+    return Workload(
+        name=f"rollback_{num_requests}_{native_input}",
+        group=f"rollback {num_requests}",
+        description=(
+            f"rollback_invalid_blocks: {num_requests:,} requests x 1,000 blocks "
+            f"(native fed {'NumPy arrays' if native_input == 'numpy' else 'lists'})"
+        ),
+        ops=num_requests,
+        op_name="request",
+        setup=setup,
+        run=run,
+        check=check,
+    )
+
+
+@dataclass(slots=True)
+class _BenchRequest:
+    """The duck-typed request the manager path reads and writes."""
+
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    block_hashes: list[bytes]
+
+
+def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048) -> Workload:
+    """``update_requests_with_invalid_blocks`` over block tables held by the manager."""
+    block_size = 16
+    num_tokens = blocks_per_request * block_size
+    rng = random.Random(num_requests)
+    num_blocks = num_requests * blocks_per_request + 1
+    invalid = rng.sample(range(1, num_blocks), 100)
+    built: dict[str, Any] = {}
+
+    def setup(backend: ModuleType) -> Any:
+        # Building the manager is expensive: once per backend, then only the requests'
+        # token counts are reset for each round.
+        if backend.__name__ not in built:
+            manager = backend.KVCacheManager(num_blocks, block_size)
+            requests = [
+                _BenchRequest(f"r{i}", num_tokens, 0, []) for i in range(num_requests)
+            ]
+            for request in requests:
+                assert manager.allocate_slots(request, num_tokens) is not None
+            built[backend.__name__] = manager, requests
+        manager, requests = built[backend.__name__]
+        for request in requests:
+            request.num_computed_tokens = num_tokens
+        return manager, requests
+
+    def run(backend: ModuleType, state: Any) -> Any:
+        manager, requests = state
+        return backend.update_requests_with_invalid_blocks(
+            manager, requests, invalid, {}, evict_blocks=True
+        )
+
+    def check(state: Any, result: Any) -> None:
+        affected, total, to_evict = result
+        assert affected and total > 0 and to_evict
+
+    return Workload(
+        name=f"rollback_manager_{num_requests}",
+        group="rollback manager",
+        description=(
+            f"update_requests_with_invalid_blocks: {num_requests:,} running requests x "
+            f"{blocks_per_request:,} blocks held by the manager"
+        ),
+        ops=num_requests,
+        op_name="request",
+        setup=setup,
+        run=run,
+        check=check,
+    )
+
+
 # --------------------------------------------------------------------------- registry
+
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def _numpy_available() -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pool_churn(num_blocks: int = 65_536, num_steps: int = 3_000, seed: int = 0) -> Workload:
@@ -131,12 +409,17 @@ def pool_churn(num_blocks: int = 65_536, num_steps: int = 3_000, seed: int = 0) 
     )
 
 
-def workloads(quick: bool = False) -> list[Workload]:
+def all_workloads(quick: bool = False) -> list[Workload]:
     """Every workload, in report order. ``quick`` shrinks the slow ones."""
-    scaling: Sequence[int] = (4_096, 1_048_576) if quick else (4_096, 65_536, 262_144, 1_048_576)
+    scaling: Sequence[int] = (4_096, 1_048_576) if quick else (4_096, 262_144, 1_048_576)
+    native_input = "numpy" if _numpy_available() else "lists"
     out = [pool_churn()]
-    out += [pool_churn(n, num_steps=2_000) for n in scaling if n != 65_536]
+    out += [pool_churn(n, num_steps=2_000) for n in scaling]
+    out.append(manager_chat(num_sessions=64 if quick else 256))
+    out += [hashing(algo) for algo in ALGOS]
+    out.append(rollback(1_000, native_input))
+    out.append(rollback(10_000, native_input))
+    if native_input == "numpy":
+        out.append(rollback(10_000, "lists"))
+    out.append(rollback_manager(256 if quick else 1_024))
     return out
-
-
-WORKLOADS: dict[str, Callable[[], Workload]] = {"pool_churn": pool_churn}

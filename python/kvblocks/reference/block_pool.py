@@ -11,7 +11,7 @@ mutates.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvblocks.errors import BlockStateError, InvariantError, NoFreeBlocksError
 from kvblocks.reference.kv_cache_utils import (
@@ -243,14 +243,12 @@ class BlockPool:
         """
         # 1. Types, in signature order.
         ids = to_int_list(block_ids)
-        hashes = [to_block_hash(h) for h in block_hashes]
+        hashes = list(block_hashes)
         num_cached_blocks = operator.index(num_cached_blocks)
         num_full_blocks = operator.index(num_full_blocks)
         kv_cache_group_id = operator.index(kv_cache_group_id)
         # 2. Values, in signature order.
         check_block_ids(ids, self._num_blocks)
-        for block_hash in hashes:
-            check_block_hash(block_hash)
         check_non_negative("num_cached_blocks", num_cached_blocks)
         check_non_negative("num_full_blocks", num_full_blocks)
         check_group_id(kv_cache_group_id)
@@ -263,6 +261,11 @@ class BlockPool:
             raise ValueError(f"need {num_full_blocks} block hashes, got {len(hashes)}")
         if num_cached_blocks >= num_full_blocks:
             return
+        # Only the hashes of the blocks to cache are read (the caller passes the
+        # request's whole hash list, as vLLM does).
+        new_hashes = [to_block_hash(h) for h in hashes[num_cached_blocks:num_full_blocks]]
+        for block_hash in new_hashes:
+            check_block_hash(block_hash)
         # 4. State: each block to cache must be unhashed (a full block is cached once).
         to_cache: list[tuple[BlockState, bytes]] = []
         seen: set[int] = set()
@@ -273,7 +276,7 @@ class BlockPool:
             if block.block_hash is not None or block.block_id in seen:
                 raise BlockStateError(f"block {block.block_id} already has a hash")
             seen.add(block.block_id)
-            to_cache.append((block, hashes[i]))
+            to_cache.append((block, new_hashes[i - num_cached_blocks]))
 
         for block, block_hash in to_cache:
             block.set_hash(block_hash, kv_cache_group_id)
@@ -310,6 +313,38 @@ class BlockPool:
                 return None
             found.append(block.block_id)
         return found
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], kv_cache_group_id: int = 0
+    ) -> list[int]:
+        """Finds the longest prefix of a hash chain that is cached, in one call.
+
+        vLLM's ``find_longest_cache_hit`` for one full-attention group: looks the hashes up
+        in order and stops at the first miss (the hashes are chained, so nothing later can
+        hit). Nothing changes: pass the result to :meth:`touch` to adopt the hits.
+
+        Args:
+            block_hashes: A request's block hashes, block 0 first.
+            kv_cache_group_id: The group to look them up in.
+
+        Returns:
+            The earliest-inserted cached block of each hash of the longest cached prefix.
+
+        Raises:
+            TypeError: a hash read is not ``bytes`` or the group id is not an int.
+            ValueError: a hash read is longer than 32 bytes or the group id is out of range.
+        """
+        kv_cache_group_id = operator.index(kv_cache_group_id)
+        check_group_id(kv_cache_group_id)
+        hits: list[int] = []
+        for block_hash in block_hashes:
+            block_hash = to_block_hash(block_hash)
+            check_block_hash(block_hash)
+            block = self._cached_block_hash_to_block.get_one_block((block_hash, kv_cache_group_id))
+            if block is None:
+                break
+            hits.append(block.block_id)
+        return hits
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Removes the given blocks from the prefix cache.

@@ -242,6 +242,29 @@ impl BlockPool {
         self.prefix.first_in_groups(block_hash, group_ids)
     }
 
+    /// The longest prefix of a hash chain cached under `group_id`: the earliest-inserted
+    /// block of each hash, stopping at the first miss (the hashes are chained, so nothing
+    /// later can hit), as vLLM's `find_longest_cache_hit`. Hashes are pulled lazily, so a
+    /// caller converting them pays only for those looked up; the first conversion error
+    /// is returned as it is. Changes nothing.
+    ///
+    /// # Errors
+    /// Whatever the `hashes` iterator yields as an error.
+    pub fn find_longest_cache_hit<E>(
+        &self,
+        hashes: impl IntoIterator<Item = std::result::Result<BlockHash, E>>,
+        group_id: u32,
+    ) -> std::result::Result<Vec<u32>, E> {
+        let mut hits = Vec::new();
+        for hash in hashes {
+            match self.prefix.first(&hash?, group_id) {
+                Some(block) => hits.push(block),
+                None => break,
+            }
+        }
+        Ok(hits)
+    }
+
     /// Removes the given blocks' hashes from the prefix cache. Ref counts and free-queue
     /// positions are unchanged; null and uncached ids are skipped. Returns the
     /// (hash, group id) keys removed, in input order.
