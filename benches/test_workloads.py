@@ -12,6 +12,7 @@ without ``--quick``); the default sizes are ``--quick``'s, which CI runs once ea
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import pickle
 import random
@@ -19,12 +20,19 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from kvblocks.bench.workloads import Workload, all_workloads
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from kvblocks.bench.workloads import Workload, all_workloads
-
+BACKEND_MODULES = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
 QUICK = os.environ.get("KVBLOCKS_BENCH_FULL") != "1"
 WORKLOADS = all_workloads(quick=QUICK)
+
+
+@pytest.fixture(params=sorted(BACKEND_MODULES), ids=lambda name: f"backend={name}")
+def backend(request: pytest.FixtureRequest) -> tuple[str, ModuleType]:
+    """``(name, module)`` of the backend under test."""
+    name: str = request.param
+    return name, importlib.import_module(BACKEND_MODULES[name])
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
@@ -44,7 +52,10 @@ def test_workload(
         states.append(state)
         return (module, state), {}
 
-    result = benchmark.pedantic(workload.run, setup=setup, rounds=5, iterations=1)
+    # pytest-benchmark ships no type hints for pedantic().
+    result = benchmark.pedantic(  # type: ignore[no-untyped-call]
+        workload.run, setup=setup, rounds=5, iterations=1
+    )
     workload.check(states[-1], result)
 
 

@@ -13,7 +13,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
 from conftest import golden_params
 from kvblocks.errors import NoFreeBlocksError, UnsupportedLayoutError
 
@@ -206,9 +205,7 @@ def test_rollback_update_requests(backend: ModuleType, case: dict[str, Any]) -> 
     assert affected == set(expect["affected_req_ids"])
     assert total == expect["total_affected_tokens"]
     assert to_evict == set(expect["blocks_to_evict"])
-    assert {r.request_id: r.num_computed_tokens for r in requests} == expect[
-        "num_computed_tokens"
-    ]
+    assert {r.request_id: r.num_computed_tokens for r in requests} == expect["num_computed_tokens"]
 
 
 @pytest.mark.parametrize("case", golden_params("rollback"))
@@ -228,9 +225,10 @@ def test_rollback_batch_primitive(backend: ModuleType, case: dict[str, Any]) -> 
     assert list(result.affected) == sorted(result.affected)
     assert result.total_affected_tokens == expect["total_affected_tokens"]
     assert list(result.blocks_to_evict) == sorted(expect["blocks_to_evict"])
-    assert dict(
-        zip([r["req_id"] for r in reqs], result.num_computed_tokens, strict=True)
-    ) == expect["num_computed_tokens"]
+    assert (
+        dict(zip([r["req_id"] for r in reqs], result.num_computed_tokens, strict=True))
+        == expect["num_computed_tokens"]
+    )
 
 
 @pytest.mark.parametrize("case", golden_params("handle_invalid"))
@@ -268,6 +266,4 @@ def test_handle_invalid_blocks(backend: ModuleType, case: dict[str, Any]) -> Non
     assert len(manager.evict_calls) == expect["evict_calls"]
     if manager.evict_calls:
         assert manager.evict_calls[0] == set(expect["evicted_block_ids"])
-    assert {r.request_id: r.num_computed_tokens for r in requests} == expect[
-        "num_computed_tokens"
-    ]
+    assert {r.request_id: r.num_computed_tokens for r in requests} == expect["num_computed_tokens"]

@@ -40,9 +40,7 @@ BACKEND_NAMES: tuple[str, ...] = (
 def _load_backend() -> tuple[str, ModuleType]:
     requested = os.environ.get("KVBLOCKS_BACKEND", "").strip().lower()
     if requested not in ("", "rust", "python"):
-        raise ImportError(
-            f"KVBLOCKS_BACKEND must be 'rust' or 'python', got {requested!r}"
-        )
+        raise ImportError(f"KVBLOCKS_BACKEND must be 'rust' or 'python', got {requested!r}")
     if requested == "python":
         from kvblocks import reference
 

@@ -57,7 +57,7 @@ def vllm_status() -> str:
     """Why the vLLM column is absent, or the vLLM version when it could run."""
     try:
         vllm = importlib.import_module("vllm")
-    except Exception as exc:  # noqa: BLE001 (any import failure means "not available")
+    except Exception as exc:  # any import failure means "not available"
         return f"vLLM is not importable here ({type(exc).__name__}: {exc})"
     return f"vLLM {getattr(vllm, '__version__', '?')} is importable but not wired in"
 

@@ -345,9 +345,7 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
         # token counts are reset for each round.
         if backend.__name__ not in built:
             manager = backend.KVCacheManager(num_blocks, block_size)
-            requests = [
-                _BenchRequest(f"r{i}", num_tokens, 0, []) for i in range(num_requests)
-            ]
+            requests = [_BenchRequest(f"r{i}", num_tokens, 0, []) for i in range(num_requests)]
             for request in requests:
                 assert manager.allocate_slots(request, num_tokens) is not None
             built[backend.__name__] = manager, requests

@@ -337,8 +337,8 @@ class BlockPool:
         kv_cache_group_id = operator.index(kv_cache_group_id)
         check_group_id(kv_cache_group_id)
         hits: list[int] = []
-        for block_hash in block_hashes:
-            block_hash = to_block_hash(block_hash)
+        for item in block_hashes:
+            block_hash = to_block_hash(item)
             check_block_hash(block_hash)
             block = self._cached_block_hash_to_block.get_one_block((block_hash, kv_cache_group_id))
             if block is None:
