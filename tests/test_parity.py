@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import re
 from typing import Any
 
-import pytest
-
 import kvblocks
+import pytest
 from kvblocks import _native, reference
 
 
@@ -24,8 +25,10 @@ def signature(obj: Any) -> str:
     text = getattr(obj, "__text_signature__", None)
     if isinstance(text, str):
         # PyO3 marks the receiver positional-only; Python methods cannot tell.
-        return text.replace("$self", "self").replace("(self, /, ", "(self, ").replace(
-            "(self, /)", "(self)"
+        return (
+            text.replace("$self", "self")
+            .replace("(self, /, ", "(self, ")
+            .replace("(self, /)", "(self)")
         )
     sig = inspect.signature(obj)
     params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
@@ -54,6 +57,28 @@ def test_same_kind_docstring_and_signature(name: str) -> None:
         assert signature(py_obj) == signature(rs_obj), name
 
 
+def dataclass_fields(cls: type) -> set[str]:
+    """The field names of a dataclass; empty for any other class."""
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
+def documented_attributes(cls: type) -> set[str]:
+    """The names listed in the ``Attributes:`` section of a Google-style class docstring."""
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    start = lines.index("Attributes:") + 1 if "Attributes:" in lines else len(lines)
+    names: set[str] = set()
+    for line in lines[start:]:
+        if line and not line.startswith(" "):
+            break  # the next section
+        match = re.match(r"    (\w+): ", line)
+        if match:
+            names.add(match.group(1))
+    return names
+
+
+CLASS_NAMES = [n for n in kvblocks.BACKEND_NAMES if isinstance(getattr(reference, n), type)]
+
+
 def class_members() -> list[tuple[str, str]]:
     return [
         (cls, member)
@@ -64,7 +89,7 @@ def class_members() -> list[tuple[str, str]]:
     ]
 
 
-@pytest.mark.parametrize("cls", [n for n in kvblocks.BACKEND_NAMES if isinstance(getattr(reference, n), type)])
+@pytest.mark.parametrize("cls", CLASS_NAMES)
 def test_classes_have_the_same_public_members(cls: str) -> None:
     py_members = set(public_members(getattr(reference, cls)))
     rs_members = set(public_members(getattr(_native, cls)))
@@ -80,6 +105,12 @@ def test_members_match(cls: str, member: str) -> None:
     py_doc = inspect.getdoc(getattr(getattr(reference, cls), member))
     rs_doc = inspect.getdoc(getattr(getattr(_native, cls), member))
     assert py_doc == rs_doc, f"docstring of {cls}.{member}"
+    py_cls = getattr(reference, cls)
+    if member in dataclass_fields(py_cls):
+        # A slotted dataclass field has no docstring of its own (so the native getter must
+        # have none either): the class docstring's Attributes section, compared above,
+        # documents it.
+        assert member in documented_attributes(py_cls), f"{cls}.{member} is undocumented"
     py_callable = inspect.isfunction(py_attr) or isinstance(py_attr, (staticmethod, classmethod))
     if py_callable:
         assert callable(getattr(getattr(_native, cls), member)), f"{cls}.{member}"

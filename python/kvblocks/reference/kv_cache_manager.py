@@ -418,9 +418,9 @@ class KVCacheManager:
         stats = self._prefix_cache_stats
         if stats is not None:
             # Counters only grow: every recorded value was checked non-negative above.
-            stats.requests += 1
-            stats.queries += num_tokens
-            stats.hits += num_hits
+            self._prefix_cache_stats = PrefixCacheStats(
+                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits
+            )
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The stats since the last call (then reset), or ``None`` without ``log_stats``."""

@@ -366,7 +366,7 @@ class BlockHashToBlockMap:
 # --------------------------------------------------------------------------- stats
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
     """Prefix-cache counters since the last ``KVCacheManager.make_prefix_cache_stats()``.
 

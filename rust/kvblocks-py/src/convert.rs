@@ -3,7 +3,7 @@
 //!
 //! * a `list` or `tuple` of ints is read item by item (one C call per item, no copy of
 //!   the objects);
-//! * anything exporting a one-dimensional C-contiguous integer buffer (NumPy arrays,
+//! * anything exporting a one-dimensional C-contiguous integer buffer (`NumPy` arrays,
 //!   `array.array`, `memoryview`) is read in place when its items are native `i64`, and
 //!   widened into a `Vec<i64>` otherwise;
 //! * any other iterable is iterated, and each item converted as `operator.index` would.
@@ -41,10 +41,18 @@ impl Deref for IntColumn {
 /// `TypeError` when an item is not an int, `OverflowError` when it does not fit in 64 bits.
 pub fn int_column(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|x| x.extract::<i64>()).collect::<PyResult<_>>().map(IntColumn::Owned);
+        return list
+            .iter()
+            .map(|x| x.extract::<i64>())
+            .collect::<PyResult<_>>()
+            .map(IntColumn::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().map(|x| x.extract::<i64>()).collect::<PyResult<_>>().map(IntColumn::Owned);
+        return tuple
+            .iter()
+            .map(|x| x.extract::<i64>())
+            .collect::<PyResult<_>>()
+            .map(IntColumn::Owned);
     }
     if let Some(view) = BufferView::get(obj) {
         return Ok(match view.kind {
@@ -76,10 +84,9 @@ impl ItemKind {
     fn parse(format: &CStr, itemsize: isize) -> Option<Self> {
         let bytes = format.to_bytes();
         let code = match bytes {
-            [c] => *c,
-            // '@' and '=' are native order; '<' is native on the little-endian targets
-            // this is built for, and any other prefix is refused (read by iteration).
-            [b'@' | b'=', c] => *c,
+            // No prefix, '@' and '=' are native order; '<' is native on the little-endian
+            // targets this is built for; any other prefix is refused (read by iteration).
+            [c] | [b'@' | b'=', c] => *c,
             [b'<', c] if cfg!(target_endian = "little") => *c,
             _ => return None,
         };
@@ -98,9 +105,9 @@ impl ItemKind {
     }
 }
 
-/// CPython's `Py_buffer`. Declared here because PyO3 exposes the buffer protocol only
-/// for the 3.11+ stable ABI, while kvblocks ships one abi3 wheel for 3.10+. The layout
-/// and both functions are unchanged since Python 3.0 and exported by every CPython.
+/// `CPython`'s `Py_buffer`. Declared here because `PyO3` exposes the buffer protocol
+/// only for the 3.11+ stable ABI, while kvblocks ships one abi3 wheel for 3.10+. The layout
+/// and both functions are unchanged since Python 3.0 and exported by every `CPython`.
 #[repr(C)]
 struct RawBuffer {
     buf: *mut c_void,
@@ -152,7 +159,13 @@ impl BufferView {
         });
         // SAFETY: `obj` is a live object and we hold the GIL (we have a `Bound`); `raw`
         // is a writable Py_buffer-shaped struct that outlives the call.
-        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &raw mut *raw, PYBUF_C_CONTIGUOUS | PYBUF_FORMAT) };
+        let rc = unsafe {
+            PyObject_GetBuffer(
+                obj.as_ptr(),
+                &raw mut *raw,
+                PYBUF_C_CONTIGUOUS | PYBUF_FORMAT,
+            )
+        };
         if rc != 0 {
             // Not a buffer, or not a contiguous one: the caller falls back to iteration.
             // SAFETY: GIL held; clears the BufferError/TypeError the request raised.
@@ -167,7 +180,11 @@ impl BufferView {
             None
         };
         let len = usize::try_from(raw.len / raw.itemsize.max(1)).unwrap_or(0);
-        let view = Self { raw, kind: kind.unwrap_or(ItemKind::I64), len };
+        let view = Self {
+            raw,
+            kind: kind.unwrap_or(ItemKind::I64),
+            len,
+        };
         // Dropping `view` releases the buffer when it is not an integer vector.
         kind.map(|_| view)
     }
@@ -178,7 +195,12 @@ impl BufferView {
         }
         // SAFETY: the exporter guarantees `len` readable bytes at `buf` while the view
         // is held, and we hold it until drop.
-        unsafe { std::slice::from_raw_parts(self.raw.buf.cast::<u8>(), usize::try_from(self.raw.len).unwrap_or(0)) }
+        unsafe {
+            std::slice::from_raw_parts(
+                self.raw.buf.cast::<u8>(),
+                usize::try_from(self.raw.len).unwrap_or(0),
+            )
+        }
     }
 
     fn as_i64(&self) -> &[i64] {
@@ -195,17 +217,37 @@ impl BufferView {
     fn to_vec(&self) -> Vec<i64> {
         let b = self.bytes();
         match self.kind {
-            ItemKind::I8 => b.iter().map(|&x| i64::from(x.cast_signed())).collect(),
+            ItemKind::I8 => b
+                .iter()
+                .map(|&x| i64::from(i8::from_ne_bytes([x])))
+                .collect(),
             ItemKind::U8 => b.iter().map(|&x| i64::from(x)).collect(),
-            ItemKind::I16 => b.chunks_exact(2).map(|c| i64::from(i16::from_ne_bytes([c[0], c[1]]))).collect(),
-            ItemKind::U16 => b.chunks_exact(2).map(|c| i64::from(u16::from_ne_bytes([c[0], c[1]]))).collect(),
-            ItemKind::I32 => b.chunks_exact(4).map(|c| i64::from(i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))).collect(),
-            ItemKind::U32 => b.chunks_exact(4).map(|c| i64::from(u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+            ItemKind::I16 => b
+                .chunks_exact(2)
+                .map(|c| i64::from(i16::from_ne_bytes([c[0], c[1]])))
+                .collect(),
+            ItemKind::U16 => b
+                .chunks_exact(2)
+                .map(|c| i64::from(u16::from_ne_bytes([c[0], c[1]])))
+                .collect(),
+            ItemKind::I32 => b
+                .chunks_exact(4)
+                .map(|c| i64::from(i32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+            ItemKind::U32 => b
+                .chunks_exact(4)
+                .map(|c| i64::from(u32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
             // Values above i64::MAX cannot be block ids or counts; saturating keeps them
             // out of range so validation names them as such.
             ItemKind::U64 => b
                 .chunks_exact(8)
-                .map(|c| i64::try_from(u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).unwrap_or(i64::MAX))
+                .map(|c| {
+                    i64::try_from(u64::from_ne_bytes([
+                        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                    ]))
+                    .unwrap_or(i64::MAX)
+                })
                 .collect(),
             ItemKind::I64 => self.as_i64().to_vec(),
         }

@@ -1,6 +1,11 @@
 //! `KVCacheManager` and `PrefixCacheStats` for Python: request conversion around
 //! `kvblocks_core::manager::KVCacheManager`. Block tables stay in Rust.
 
+// The `///` comments of the Python-visible items are the reference's docstrings, copied
+// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
+// markdown, so the markdown lint does not apply to them.
+#![allow(clippy::doc_markdown)]
+
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -29,7 +34,11 @@ impl<'py> PyHashes<'py> {
     fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
         let seq = request.getattr("block_hashes")?.cast_into::<PySequence>()?;
         let len = seq.len()?;
-        Ok(Self { seq, len, error: RefCell::new(None) })
+        Ok(Self {
+            seq,
+            len,
+            error: RefCell::new(None),
+        })
     }
 
     /// The core result, or the Python error the conversion hit.
@@ -52,7 +61,9 @@ impl HashSource for PyHashes<'_> {
                 Ok(h) => out.push(h),
                 Err(err) => {
                     *self.error.borrow_mut() = Some(err);
-                    return Err(Error::InvalidArgument("block hash conversion failed".to_owned()));
+                    return Err(Error::InvalidArgument(
+                        "block hash conversion failed".to_owned(),
+                    ));
                 }
             }
         }
@@ -77,7 +88,12 @@ impl HashSource for SliceHashes<'_> {
 /// object through `request_id`, `num_tokens`, `num_computed_tokens` and `block_hashes`.
 enum RequestArg<'py> {
     Native(PyRef<'py, PyRequest>),
-    Duck { request_id: String, num_tokens: i64, num_computed_tokens: i64, hashes: PyHashes<'py> },
+    Duck {
+        request_id: String,
+        num_tokens: i64,
+        num_computed_tokens: i64,
+        hashes: PyHashes<'py>,
+    },
 }
 
 impl<'py> RequestArg<'py> {
@@ -109,7 +125,12 @@ impl<'py> RequestArg<'py> {
                 })
                 .py()
             }
-            Self::Duck { request_id, num_tokens, num_computed_tokens, hashes } => {
+            Self::Duck {
+                request_id,
+                num_tokens,
+                num_computed_tokens,
+                hashes,
+            } => {
                 let view = RequestView {
                     request_id,
                     num_tokens: *num_tokens,
@@ -123,6 +144,14 @@ impl<'py> RequestArg<'py> {
 }
 
 /// Prefix-cache counters since the last ``KVCacheManager.make_prefix_cache_stats()``.
+///
+/// Attributes:
+///     requests: Requests recorded (one per admission that looked the cache up).
+///     queries: Tokens looked up: the sum of the recorded requests' ``num_tokens``.
+///     hits: Tokens found in the prefix cache.
+///
+/// Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
+/// or impossible values, and nothing decrements them.
 #[pyclass(module = "kvblocks._native", name = "PrefixCacheStats", frozen, eq)]
 #[derive(PartialEq, Eq)]
 pub struct PyPrefixCacheStats {
@@ -139,7 +168,11 @@ impl PyPrefixCacheStats {
     #[new]
     #[pyo3(signature = (requests=0, queries=0, hits=0))]
     fn new(requests: u64, queries: u64, hits: u64) -> Self {
-        Self { requests, queries, hits }
+        Self {
+            requests,
+            queries,
+            hits,
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -152,11 +185,36 @@ impl PyPrefixCacheStats {
 
 impl From<PrefixCacheStats> for PyPrefixCacheStats {
     fn from(s: PrefixCacheStats) -> Self {
-        Self { requests: s.requests, queries: s.queries, hits: s.hits }
+        Self {
+            requests: s.requests,
+            queries: s.queries,
+            hits: s.hits,
+        }
     }
 }
 
 /// Block tables of running requests over a :class:`BlockPool`, with prefix caching.
+///
+/// Args:
+///     num_blocks: Blocks in the pool, including the null block. Must be positive.
+///     block_size: Tokens per block. Must be positive.
+///     enable_caching: Whether to look up and fill the prefix cache.
+///     max_model_len: If given (positive), token counts are capped at it, as vLLM does.
+///     log_stats: Whether to keep :class:`PrefixCacheStats`.
+///     enable_kv_cache_events: Whether to record KV cache events (none are produced yet;
+///         :meth:`take_events` returns an empty list).
+///
+/// Raises:
+///     TypeError: a count is not an int.
+///     ValueError: ``num_blocks must be positive, got {n}``, ``block_size must be
+///         positive, got {n}`` or ``max_model_len must be positive, got {n}``.
+///
+/// Invariants:
+///     * ``_req_to_blocks[r]`` is request ``r``'s block table; the pool holds one
+///       reference per appearance of a block in the tables (and in touches made outside);
+///     * ``_num_cached_block[r]`` (present once ``r`` adopted hits or external tokens, or
+///       had a full block cached) is how many leading blocks of its table are hashed;
+///       a request in it is "known" and cannot adopt prefix hits any more.
 #[pyclass(module = "kvblocks._native", name = "KVCacheManager")]
 pub struct PyKVCacheManager {
     pub inner: CoreManager,
@@ -181,9 +239,14 @@ impl PyKVCacheManager {
         // Events arrive with the KV-cache-events work; the flag is accepted for vLLM's
         // signature and `take_events()` returns nothing until then.
         let _ = enable_kv_cache_events;
-        let inner =
-            CoreManager::new(num_blocks, block_size, enable_caching, max_model_len, log_stats)
-                .py()?;
+        let inner = CoreManager::new(
+            num_blocks,
+            block_size,
+            enable_caching,
+            max_model_len,
+            log_stats,
+        )
+        .py()?;
         Ok(Self { inner, block_size })
     }
 
@@ -218,10 +281,62 @@ impl PyKVCacheManager {
         self.inner.usage()
     }
 
+    /// Finds the longest prefix of the request's blocks in the prefix cache.
+    ///
+    /// Scans ``request.block_hashes`` from block 0 and stops at the first miss (the
+    /// hashes are chained, so nothing later can hit). The hit is capped at
+    /// ``num_tokens - 1`` tokens: the last token is always recomputed for its logits, so a
+    /// block-aligned prompt recomputes its whole last block. Nothing is touched; pass the
+    /// result to :meth:`allocate_slots`, which adopts the hits.
+    ///
+    /// Returns:
+    ///     The hit block ids and the number of tokens they cover (``len * block_size``);
+    ///     ``([], 0)`` with caching off.
+    ///
+    /// Raises:
+    ///     TypeError: ``request.num_tokens`` is not an int or a hash is not ``bytes``.
+    ///     ValueError: ``num_tokens must be non-negative, got {v}``, or a hash is longer
+    ///         than 32 bytes.
     fn get_computed_blocks(&self, request: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
         RequestArg::new(request)?.with(|view| self.inner.get_computed_blocks(view))
     }
 
+    /// Admits a request or grows its block table (vLLM's ``allocate_slots``).
+    ///
+    /// The request's tokens are laid out as::
+    ///
+    ///     | computed | new_computed (hits) | external | new | lookahead |
+    ///
+    /// On a request's first allocation the hits are adopted (touched: ref count + 1, out
+    /// of the free queue) and blocks for the external tokens are allocated. Then blocks
+    /// are added until ``computed + new_computed + external + new + lookahead`` tokens
+    /// (capped at ``max_model_len``) have a slot. Finally, with caching on and
+    /// ``delay_cache_blocks`` false, every block that is full up to
+    /// ``min(computed + new_computed + external + new, num_tokens)`` tokens is cached.
+    ///
+    /// Args:
+    ///     request: The request (see :class:`RequestLike`).
+    ///     num_new_tokens: Tokens to compute in this step.
+    ///     num_new_computed_tokens: Tokens covered by ``new_computed_blocks``.
+    ///     new_computed_blocks: The prefix hits from :meth:`get_computed_blocks`.
+    ///     num_lookahead_tokens: Extra slots for speculative tokens.
+    ///     num_external_computed_tokens: Tokens a KV connector will load.
+    ///     delay_cache_blocks: Skip caching (an asynchronous KV load is in flight).
+    ///
+    /// Returns:
+    ///     The newly allocated block ids (not the hits, not the external blocks), or
+    ///     ``None``, with nothing changed, when the pool has too few free blocks.
+    ///
+    /// Raises:
+    ///     TypeError: a count or block id is not an int.
+    ///     UnknownBlockError: a block id of ``new_computed_blocks`` is out of range.
+    ///     ValueError: ``{name} must be non-negative, got {v}``; ``num_new_tokens must be
+    ///         greater than 0 when there are no computed tokens to adopt``;
+    ///         ``new_computed_blocks must not contain the null block 0``;
+    ///         ``new_computed_blocks must be empty when prefix caching is disabled``;
+    ///         ``request {id} already holds blocks, so it cannot adopt computed tokens``;
+    ///         or a block hash of the request is longer than 32 bytes.
+    ///     BlockStateError: a block to cache already has a hash.
     #[pyo3(signature = (
         request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
         num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false
@@ -252,6 +367,10 @@ impl PyKVCacheManager {
         RequestArg::new(request)?.with(|view| self.inner.allocate_slots(view, &slots))
     }
 
+    /// Frees the request's blocks, tail first, and forgets the request.
+    ///
+    /// Freeing tail first puts the tail of a cached chain ahead of its parents in the
+    /// eviction order. An unknown request is a no-op.
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id = match request.cast::<PyRequest>() {
             Ok(native) => native.borrow().request_id().to_owned(),
@@ -260,32 +379,77 @@ impl PyKVCacheManager {
         self.inner.free(&request_id).py()
     }
 
-    fn cache_blocks(&mut self, request: &Bound<'_, PyAny>, num_computed_tokens: i64) -> PyResult<()> {
+    /// Caches the request's blocks that are full within ``num_computed_tokens`` tokens.
+    ///
+    /// A no-op with caching off. Only blocks that have a hash in ``request.block_hashes``
+    /// and are not cached yet are entered into the prefix map.
+    ///
+    /// Raises:
+    ///     TypeError: ``num_computed_tokens`` is not an int, or a hash is not ``bytes``.
+    ///     ValueError: ``num_computed_tokens must be non-negative, got {v}``, a hash is
+    ///         longer than 32 bytes, or the tokens need more blocks than the request holds
+    ///         (``num_full_blocks {nf} exceeds the {len} block ids given``).
+    ///     BlockStateError: a block to cache already has a hash.
+    fn cache_blocks(
+        &mut self,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+    ) -> PyResult<()> {
         RequestArg::new(request)?.with(|view| self.inner.cache_blocks(view, num_computed_tokens))
     }
 
-    fn get_block_ids<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyTuple>> {
+    /// The request's block table, one list per group: ``([ids...],)``; ``([],)`` if unknown.
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         let table = PyList::new(py, self.inner.get_block_ids(request_id))?;
         PyTuple::new(py, [table])
     }
 
+    /// Removes the blocks from the prefix cache (see ``BlockPool.evict_blocks``).
     fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.evict_blocks(&int_column(block_ids)?).py().map(drop)
+        self.inner
+            .evict_blocks(&int_column(block_ids)?)
+            .py()
+            .map(drop)
     }
 
+    /// Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``).
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
     }
 
+    /// The KV cache events since the last call. None are recorded yet: always ``[]``.
+    // A method without state for now: vLLM's API, and events will need `self`.
+    #[allow(clippy::unused_self)]
     fn take_events<'py>(&self, py: Python<'py>) -> Bound<'py, PyList> {
         PyList::empty(py)
     }
 
-    fn record_prefix_cache_stats(&mut self, request: &Bound<'_, PyAny>, num_hits: i64) -> PyResult<()> {
+    /// Records one admission's prefix-cache lookup (a no-op without ``log_stats``).
+    ///
+    /// The caller records at admission, as vLLM's scheduler does:
+    /// ``requests += 1``, ``queries += request.num_tokens``, ``hits += num_hits``.
+    ///
+    /// Raises:
+    ///     TypeError: ``num_hits`` or ``request.num_tokens`` is not an int.
+    ///     ValueError: ``num_tokens must be non-negative, got {v}``, ``num_hits must be
+    ///         non-negative, got {v}`` or ``num_hits {h} exceeds the request's {n} tokens``,
+    ///         whether stats are on or not.
+    fn record_prefix_cache_stats(
+        &mut self,
+        request: &Bound<'_, PyAny>,
+        num_hits: i64,
+    ) -> PyResult<()> {
         RequestArg::new(request)?.with(|view| self.inner.record_prefix_cache_stats(view, num_hits))
     }
 
+    /// The stats since the last call (then reset), or ``None`` without ``log_stats``.
     fn make_prefix_cache_stats(&mut self) -> Option<PyPrefixCacheStats> {
-        self.inner.make_prefix_cache_stats().map(PyPrefixCacheStats::from)
+        self.inner
+            .make_prefix_cache_stats()
+            .map(PyPrefixCacheStats::from)
     }
 }

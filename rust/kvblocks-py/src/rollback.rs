@@ -5,6 +5,11 @@
 //! changes nothing. With a native `KVCacheManager` the block tables are read in place
 //! from Rust; any other manager is asked through `get_block_ids`, once per request.
 
+// The `///` comments of the Python-visible items are the reference's docstrings, copied
+// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
+// markdown, so the markdown lint does not apply to them.
+#![allow(clippy::doc_markdown)]
+
 use std::collections::HashSet;
 
 use kvblocks_core::rollback::{
@@ -21,7 +26,7 @@ use crate::errors::{IntoPyResult, UnsupportedLayoutError};
 use crate::manager::PyKVCacheManager;
 
 /// `mode="vllm" | "strict"`. Extraction never fails, so that a bad value is refused
-/// inside the call with the reference's exact message (PyO3 would annotate an
+/// inside the call with the reference's exact message (`PyO3` would annotate an
 /// extraction error with a note the reference does not add).
 pub struct ModeArg(Result<Mode, String>);
 
@@ -29,7 +34,9 @@ impl ModeArg {
     const VLLM: Self = Self(Ok(Mode::Vllm));
 
     fn get(&self) -> PyResult<Mode> {
-        self.0.clone().map_err(|got| PyValueError::new_err(format!("mode must be 'vllm' or 'strict', got {got}")))
+        self.0.clone().map_err(|got| {
+            PyValueError::new_err(format!("mode must be 'vllm' or 'strict', got {got}"))
+        })
     }
 }
 
@@ -37,8 +44,11 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ModeArg {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let name = obj.cast::<PyString>().ok().and_then(|s| s.to_str().ok().and_then(Mode::from_name));
-        Ok(Self(name.ok_or_else(|| repr(&obj))))
+        let name = obj
+            .cast::<PyString>()
+            .ok()
+            .and_then(|s| s.to_str().ok().and_then(Mode::from_name));
+        Ok(Self(name.ok_or_else(|| repr(obj))))
     }
 }
 
@@ -49,9 +59,9 @@ impl PolicyArg {
     const FAIL: Self = Self(Ok(Policy::Fail));
 
     fn get(&self) -> PyResult<Policy> {
-        self.0
-            .clone()
-            .map_err(|got| PyValueError::new_err(format!("policy must be 'fail' or 'recompute', got {got}")))
+        self.0.clone().map_err(|got| {
+            PyValueError::new_err(format!("policy must be 'fail' or 'recompute', got {got}"))
+        })
     }
 }
 
@@ -59,16 +69,29 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let name = obj.cast::<PyString>().ok().and_then(|s| s.to_str().ok().and_then(Policy::from_name));
-        Ok(Self(name.ok_or_else(|| repr(&obj))))
+        let name = obj
+            .cast::<PyString>()
+            .ok()
+            .and_then(|s| s.to_str().ok().and_then(Policy::from_name));
+        Ok(Self(name.ok_or_else(|| repr(obj))))
     }
 }
 
-fn repr(obj: &Borrowed<'_, '_, PyAny>) -> String {
-    obj.repr().map_or_else(|_| "<unrepresentable>".to_owned(), |r| r.to_string())
+fn repr(obj: Borrowed<'_, '_, PyAny>) -> String {
+    obj.repr()
+        .map_or_else(|_| "<unrepresentable>".to_owned(), |r| r.to_string())
 }
 
 /// What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
+///
+/// Attributes:
+///     num_computed_tokens: The new value for every request of the batch, in order
+///         (unchanged for requests that were not affected).
+///     affected: Indices of the affected requests, in iteration order.
+///     total_affected_tokens: Tokens rolled back over the batch, as vLLM counts them
+///         for its log line. Never negative.
+///     blocks_to_evict: Sorted block ids to remove from the prefix cache; empty unless
+///         evictions were collected.
 #[pyclass(module = "kvblocks._native", name = "RollbackResult", frozen)]
 pub struct PyRollbackResult {
     #[pyo3(get)]
@@ -85,8 +108,18 @@ pub struct PyRollbackResult {
 impl PyRollbackResult {
     #[new]
     #[pyo3(signature = (num_computed_tokens, affected, total_affected_tokens, blocks_to_evict))]
-    fn new(num_computed_tokens: Vec<i64>, affected: Vec<usize>, total_affected_tokens: u128, blocks_to_evict: Vec<i64>) -> Self {
-        Self { num_computed_tokens, affected, total_affected_tokens, blocks_to_evict }
+    fn new(
+        num_computed_tokens: Vec<i64>,
+        affected: Vec<usize>,
+        total_affected_tokens: u128,
+        blocks_to_evict: Vec<i64>,
+    ) -> Self {
+        Self {
+            num_computed_tokens,
+            affected,
+            total_affected_tokens,
+            blocks_to_evict,
+        }
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
@@ -119,6 +152,16 @@ impl From<Rollback> for PyRollbackResult {
 }
 
 /// What a load-failure handler did and what the scheduler must do next.
+///
+/// Attributes:
+///     failed_req_ids: Requests to finish with ``FINISHED_ERROR`` (``fail`` policy).
+///     rescheduled_req_ids: Running requests rolled back that the next step recomputes;
+///         their output of this step must be discarded (``recompute`` policy).
+///     retry_req_ids: Requests still waiting for remote KVs whose load must be retried
+///         from their new ``num_computed_tokens`` once it finishes (``recompute``
+///         policy; vLLM's ``failed_recving_kv_req_ids``).
+///     evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
+///     total_affected_tokens: Tokens rolled back (or lost with the failed requests).
 #[pyclass(module = "kvblocks._native", name = "InvalidBlocksOutcome", frozen)]
 pub struct PyInvalidBlocksOutcome {
     failed_req_ids: HashSet<String>,
@@ -140,7 +183,13 @@ impl PyInvalidBlocksOutcome {
         evicted_block_ids: HashSet<i64>,
         total_affected_tokens: u128,
     ) -> Self {
-        Self { failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens }
+        Self {
+            failed_req_ids,
+            rescheduled_req_ids,
+            retry_req_ids,
+            evicted_block_ids,
+            total_affected_tokens,
+        }
     }
 
     // Sets are handed out as new Python sets: the outcome itself stays immutable.
@@ -199,6 +248,33 @@ fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
     block_tables.try_iter()?.map(|t| int_column(&t?)).collect()
 }
 
+/// Decide how far every request of a batch rolls back past invalid blocks.
+///
+/// The batch primitive behind the other entry points: one entry per request in each
+/// column, in iteration order (which matters: see the module docstring). Nothing is
+/// changed; the caller applies the result.
+///
+/// Args:
+///     block_tables: Each request's block ids (lists or NumPy integer arrays).
+///     num_computed_tokens: Each request's ``num_computed_tokens``, this step included.
+///     num_scheduled_tokens: Tokens scheduled for each request in this step (0 when it
+///         was not scheduled).
+///     invalid_block_ids: Block ids whose KV failed to load; duplicates are harmless and
+///         ids no table holds are ignored.
+///     block_size: Tokens per block.
+///     collect_evictions: Whether to collect the blocks to evict (vLLM's
+///         ``evict_blocks``; its async pass collects none).
+///     mode: ``"vllm"`` (vLLM 0.33.0 exactly) or ``"strict"`` (no sharing shortcut).
+///
+/// Returns:
+///     The new token counts, the affected indices, the affected-token total and the
+///     sorted blocks to evict.
+///
+/// Raises:
+///     TypeError: A value is not an integer.
+///     ValueError: Bad mode, non-positive block size, columns of different lengths, a
+///         negative count or id, more tokens scheduled than computed, or a block table
+///         too short to hold the tokens computed before this step.
 #[pyfunction]
 #[pyo3(
     signature = (
@@ -223,7 +299,11 @@ pub fn rollback_invalid_blocks(
     let scheduled = int_column(num_scheduled_tokens)?;
     let invalid = int_column(invalid_block_ids)?;
     let views: Vec<&[i64]> = tables.iter().map(|t| &**t).collect();
-    let batch = Batch { block_tables: &views, num_computed_tokens: &computed, num_scheduled_tokens: &scheduled };
+    let batch = Batch {
+        block_tables: &views,
+        num_computed_tokens: &computed,
+        num_scheduled_tokens: &scheduled,
+    };
     rollback::rollback_invalid_blocks(batch, &invalid, block_size, collect_evictions, mode)
         .py()
         .map(PyRollbackResult::from)
@@ -238,7 +318,10 @@ struct RequestColumns<'py> {
 }
 
 impl<'py> RequestColumns<'py> {
-    fn gather(requests: &Bound<'py, PyAny>, num_scheduled_tokens: &Bound<'py, PyAny>) -> PyResult<Self> {
+    fn gather(
+        requests: &Bound<'py, PyAny>,
+        num_scheduled_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
         let requests: Vec<Bound<'py, PyAny>> = requests.try_iter()?.collect::<PyResult<_>>()?;
         let scheduled_map = num_scheduled_tokens.cast::<PyDict>().ok();
         let mut cols = Self {
@@ -249,12 +332,14 @@ impl<'py> RequestColumns<'py> {
         };
         for request in &requests {
             let id: PyBackedStr = request.getattr("request_id")?.extract()?;
-            cols.computed.push(request.getattr("num_computed_tokens")?.extract()?);
+            cols.computed
+                .push(request.getattr("num_computed_tokens")?.extract()?);
             let scheduled = match &scheduled_map {
                 Some(map) => map.get_item(&*id)?,
                 None => num_scheduled_tokens.call_method1("get", (&*id, 0))?.into(),
             };
-            cols.scheduled.push(scheduled.map_or(Ok(0), |s| s.extract())?);
+            cols.scheduled
+                .push(scheduled.map_or(Ok(0), |s| s.extract())?);
             cols.ids.push(id);
         }
         cols.requests = requests;
@@ -266,7 +351,9 @@ impl<'py> RequestColumns<'py> {
         for (id, request) in self.ids.iter().zip(&self.requests) {
             if !seen.insert(id) {
                 let id_repr = request.getattr("request_id")?.repr()?;
-                return Err(PyValueError::new_err(format!("request {id_repr} appears more than once")));
+                return Err(PyValueError::new_err(format!(
+                    "request {id_repr} appears more than once"
+                )));
             }
         }
         Ok(())
@@ -276,7 +363,9 @@ impl<'py> RequestColumns<'py> {
     fn apply(&self, result: &Rollback) -> PyResult<HashSet<String>> {
         let mut affected = HashSet::with_capacity(result.affected.len());
         for &i in &result.affected {
-            let (Some(request), Some(value)) = (self.requests.get(i), result.num_computed_tokens.get(i)) else {
+            let (Some(request), Some(value)) =
+                (self.requests.get(i), result.num_computed_tokens.get(i))
+            else {
                 continue;
             };
             request.setattr("num_computed_tokens", *value)?;
@@ -299,7 +388,12 @@ fn fetch_tables<'m>(
     cols: &RequestColumns<'_>,
 ) -> PyResult<Tables<'m>> {
     if let Some(native) = native {
-        return Ok(Tables::Native(cols.ids.iter().map(|id| native.inner.get_block_ids(id)).collect()));
+        return Ok(Tables::Native(
+            cols.ids
+                .iter()
+                .map(|id| native.inner.get_block_ids(id))
+                .collect(),
+        ));
     }
     let mut tables = Vec::with_capacity(cols.ids.len());
     for id in &cols.ids {
@@ -335,6 +429,26 @@ fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
     Ok(())
 }
 
+/// vLLM's ``Scheduler._update_requests_with_invalid_blocks``.
+///
+/// Args:
+///     kv_cache_manager: Source of the block tables (``get_block_ids``) and
+///         ``block_size``; one KV cache group.
+///     requests: The requests, in iteration order; each may appear once.
+///     invalid_block_ids: Block ids whose KV failed to load.
+///     num_scheduled_tokens: Request id to tokens scheduled this step; a missing id
+///         means not scheduled.
+///     evict_blocks: Whether to collect the blocks to evict.
+///     mode: ``"vllm"`` or ``"strict"``.
+///
+/// Returns:
+///     ``(affected_req_ids, total_affected_tokens, blocks_to_evict)``, as vLLM. The
+///     affected requests' ``num_computed_tokens`` have been updated.
+///
+/// Raises:
+///     TypeError: A value is not an integer.
+///     ValueError: As :func:`rollback_invalid_blocks`, or a request given twice.
+///     UnsupportedLayoutError: The manager has more than one KV cache group.
 #[pyfunction]
 #[pyo3(
     signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=true, mode=ModeArg::VLLM),
@@ -354,19 +468,57 @@ pub fn update_requests_with_invalid_blocks<'py>(
     check_single_group(kv_cache_manager)?;
     let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
     cols.check_unique(&mut HashSet::new())?;
-    let native = kv_cache_manager.cast::<PyKVCacheManager>().ok().map(Bound::borrow);
+    let native = kv_cache_manager
+        .cast::<PyKVCacheManager>()
+        .ok()
+        .map(Bound::borrow);
     let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
     let invalid = int_column(invalid_block_ids)?;
     let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
     let ids = tables.ids();
-    let batch = Batch { block_tables: &ids, num_computed_tokens: &cols.computed, num_scheduled_tokens: &cols.scheduled };
-    let result = rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks, mode).py()?;
+    let batch = Batch {
+        block_tables: &ids,
+        num_computed_tokens: &cols.computed,
+        num_scheduled_tokens: &cols.scheduled,
+    };
+    let result =
+        rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks, mode).py()?;
     drop(native);
     let affected = cols.apply(&result)?;
     let to_evict = PySet::new(py, &result.blocks_to_evict)?;
     Ok((affected, result.total_affected_tokens, to_evict))
 }
 
+/// vLLM's ``Scheduler._handle_invalid_blocks``.
+///
+/// The async pass (``waiting_for_remote_kvs``, whose blocks were never hashed, so no
+/// eviction is collected) and the sync pass (``running``) each have their own marked
+/// set, so a block shared between an async and a sync request is recomputed by both.
+/// Under ``fail`` the sync pass's blocks are evicted and every affected request is
+/// failed; under ``recompute`` nothing is evicted, the sync requests are rescheduled
+/// and the async ones retried.
+///
+/// Args:
+///     kv_cache_manager: Source of the block tables and ``block_size``; receives
+///         ``evict_blocks`` under ``fail``. ``num_kv_cache_groups`` (default 1) must be 1.
+///     invalid_block_ids: Block ids whose KV failed to load; unmatched ids are ignored.
+///     num_scheduled_tokens: Request id to tokens scheduled this step.
+///     running: The running requests, in scheduling order.
+///     waiting_for_remote_kvs: The requests whose async KV load is in flight.
+///     policy: ``"fail"`` (vLLM's default) or ``"recompute"``.
+///     mode: ``"vllm"`` or ``"strict"``.
+///
+/// Returns:
+///     Which requests fail, are rescheduled or retried, what was evicted and how many
+///     tokens were rolled back. The affected requests' ``num_computed_tokens`` have
+///     been updated.
+///
+/// Raises:
+///     TypeError: A value is not an integer.
+///     ValueError: Bad policy or mode, as :func:`rollback_invalid_blocks`, or a request
+///         given twice.
+///     UnsupportedLayoutError: The manager has more than one KV cache group (checked
+///         before anything else is looked at, as vLLM fails closed).
 #[pyfunction]
 #[pyo3(
     signature = (
@@ -375,7 +527,8 @@ pub fn update_requests_with_invalid_blocks<'py>(
     ),
     text_signature = "(kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running, waiting_for_remote_kvs=(), policy='fail', mode='vllm')"
 )]
-#[allow(clippy::needless_pass_by_value)]
+// The arguments are the Python signature (vLLM's, plus `py`); PyO3 extracts them by value.
+#[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)]
 pub fn handle_invalid_blocks<'py>(
     py: Python<'py>,
     kv_cache_manager: &Bound<'py, PyAny>,
@@ -390,21 +543,35 @@ pub fn handle_invalid_blocks<'py>(
     // Fail closed before any request is looked at, as vLLM does.
     check_single_group(kv_cache_manager)?;
     let empty = pyo3::types::PyTuple::empty(py).into_any();
-    let waiting = RequestColumns::gather(waiting_for_remote_kvs.unwrap_or(&empty), num_scheduled_tokens)?;
+    let waiting = RequestColumns::gather(
+        waiting_for_remote_kvs.unwrap_or(&empty),
+        num_scheduled_tokens,
+    )?;
     let sync = RequestColumns::gather(running, num_scheduled_tokens)?;
     let mut seen = HashSet::new();
     waiting.check_unique(&mut seen)?;
     sync.check_unique(&mut seen)?;
 
-    let native = kv_cache_manager.cast::<PyKVCacheManager>().ok().map(Bound::borrow);
+    let native = kv_cache_manager
+        .cast::<PyKVCacheManager>()
+        .ok()
+        .map(Bound::borrow);
     let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
     let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
     let invalid = int_column(invalid_block_ids)?;
     let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
     let (waiting_ids, sync_ids) = (waiting_tables.ids(), sync_tables.ids());
     let outcome = rollback::handle_invalid_blocks(
-        Batch { block_tables: &waiting_ids, num_computed_tokens: &waiting.computed, num_scheduled_tokens: &waiting.scheduled },
-        Batch { block_tables: &sync_ids, num_computed_tokens: &sync.computed, num_scheduled_tokens: &sync.scheduled },
+        Batch {
+            block_tables: &waiting_ids,
+            num_computed_tokens: &waiting.computed,
+            num_scheduled_tokens: &waiting.scheduled,
+        },
+        Batch {
+            block_tables: &sync_ids,
+            num_computed_tokens: &sync.computed,
+            num_scheduled_tokens: &sync.scheduled,
+        },
         &invalid,
         block_size,
         1,
@@ -418,10 +585,17 @@ pub fn handle_invalid_blocks<'py>(
     if !outcome.evicted_block_ids.is_empty() {
         match kv_cache_manager.cast::<PyKVCacheManager>() {
             Ok(native) => {
-                native.borrow_mut().inner.evict_blocks(&outcome.evicted_block_ids).py()?;
+                native
+                    .borrow_mut()
+                    .inner
+                    .evict_blocks(&outcome.evicted_block_ids)
+                    .py()?;
             }
             Err(_) => {
-                kv_cache_manager.call_method1("evict_blocks", (PySet::new(py, &outcome.evicted_block_ids)?,))?;
+                kv_cache_manager.call_method1(
+                    "evict_blocks",
+                    (PySet::new(py, &outcome.evicted_block_ids)?,),
+                )?;
             }
         }
     }
@@ -447,6 +621,24 @@ pub fn handle_invalid_blocks<'py>(
     })
 }
 
+/// vLLM's ``Scheduler._handle_failed_recving``: whole-request load failures.
+///
+/// Only requests whose async load is in flight can fail this way; other ids (unknown
+/// requests, running sync loads) are ignored, as in vLLM.
+///
+/// Args:
+///     failed_req_ids: Request ids the connector reported as failed.
+///     waiting_for_remote_kvs: The requests whose async KV load is in flight.
+///     policy: ``"fail"`` (report them as failed, change nothing) or ``"recompute"``
+///         (rewind them to 0 tokens and report them for retry).
+///
+/// Returns:
+///     The failed or retried ids; ``total_affected_tokens`` counts the matched
+///     requests' computed tokens, all of which are lost.
+///
+/// Raises:
+///     TypeError: A token count is not an integer.
+///     ValueError: Bad policy, a negative token count, or a request given twice.
 #[pyfunction]
 #[pyo3(
     signature = (failed_req_ids, waiting_for_remote_kvs, *, policy=PolicyArg::FAIL),
@@ -459,7 +651,10 @@ pub fn handle_failed_recving(
     policy: PolicyArg,
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let policy = policy.get()?;
-    let failed: HashSet<String> = failed_req_ids.try_iter()?.map(|id| id?.extract()).collect::<PyResult<_>>()?;
+    let failed: HashSet<String> = failed_req_ids
+        .try_iter()?
+        .map(|id| id?.extract())
+        .collect::<PyResult<_>>()?;
     let empty = PyDict::new(failed_req_ids.py()).into_any();
     let waiting = RequestColumns::gather(waiting_for_remote_kvs, &empty)?;
     waiting.check_unique(&mut HashSet::new())?;
@@ -469,13 +664,18 @@ pub fn handle_failed_recving(
         if failed.contains(&**id) {
             let value = waiting.computed[i];
             let value = u128::try_from(value).map_err(|_| {
-                PyValueError::new_err(format!("num_computed_tokens must be non-negative, got {value}"))
+                PyValueError::new_err(format!(
+                    "num_computed_tokens must be non-negative, got {value}"
+                ))
             })?;
             lost += value;
             matched.push(i);
         }
     }
-    let matched_ids: HashSet<String> = matched.iter().map(|&i| waiting.ids[i].to_string()).collect();
+    let matched_ids: HashSet<String> = matched
+        .iter()
+        .map(|&i| waiting.ids[i].to_string())
+        .collect();
     let recompute = matches!(policy, Policy::Recompute);
     if recompute {
         for &i in &matched {
@@ -483,9 +683,17 @@ pub fn handle_failed_recving(
         }
     }
     Ok(PyInvalidBlocksOutcome {
-        failed_req_ids: if recompute { HashSet::new() } else { matched_ids.clone() },
+        failed_req_ids: if recompute {
+            HashSet::new()
+        } else {
+            matched_ids.clone()
+        },
         rescheduled_req_ids: HashSet::new(),
-        retry_req_ids: if recompute { matched_ids } else { HashSet::new() },
+        retry_req_ids: if recompute {
+            matched_ids
+        } else {
+            HashSet::new()
+        },
         evicted_block_ids: HashSet::new(),
         total_affected_tokens: lost,
     })
