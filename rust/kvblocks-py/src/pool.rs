@@ -41,16 +41,12 @@ fn range_hashes(
 ) -> PyResult<Vec<BlockHash>> {
     // Sequences are indexed in place; any other iterable is collected first.
     let collected;
-    let seq = match block_hashes.cast::<pyo3::types::PySequence>() {
-        Ok(seq) => seq,
-        Err(_) => {
-            collected = pyo3::types::PyList::new(
-                block_hashes.py(),
-                block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?,
-            )?
-            .into_any();
-            collected.cast::<pyo3::types::PySequence>()?
-        }
+    let seq = if let Ok(seq) = block_hashes.cast::<pyo3::types::PySequence>() {
+        seq
+    } else {
+        let items = block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        collected = pyo3::types::PyList::new(block_hashes.py(), items)?.into_any();
+        collected.cast::<pyo3::types::PySequence>()?
     };
     let len = seq.len()?;
     let start = usize::try_from(num_cached_blocks).unwrap_or(0);
