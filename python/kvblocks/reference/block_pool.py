@@ -6,12 +6,20 @@ corrupts its state (double free, re-hashing a hashed block, unknown ids), kvbloc
 a documented error and leaves the pool exactly as it was: every method validates all of
 its input first (see the order in :mod:`kvblocks.reference.kv_cache_utils`) and only then
 mutates.
+
+KV cache events (``vllm/distributed/kv_events.py``) are recorded only once a
+:class:`~kvblocks.reference.kv_cache_manager.KVCacheManager` created with
+``enable_kv_cache_events=True`` switched them on for its pool: a ``BlockRemoved`` per
+prefix-cache entry dropped (lazy eviction in :meth:`BlockPool.get_new_blocks`,
+:meth:`BlockPool.evict_blocks`) and an ``AllBlocksCleared`` per successful reset. The
+manager adds the ``BlockStored`` events, which need the request's token ids.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvblocks.errors import BlockStateError, InvariantError, NoFreeBlocksError
 from kvblocks.reference.kv_cache_utils import (
@@ -27,6 +35,9 @@ from kvblocks.reference.kv_cache_utils import (
     to_block_hash,
     to_int_list,
 )
+
+if TYPE_CHECKING:
+    from kvblocks.events import KVCacheEvent
 
 __all__ = ["BlockPool"]
 
@@ -64,6 +75,9 @@ class BlockPool:
         "_cached_block_hash_to_block",
         "_enable_caching",
         "_free_block_queue",
+        "_kv_event_queue",
+        "_kv_events_as_int",
+        "_kv_events_last_copy_removal",
         "_null_block",
         "_num_blocks",
     )
@@ -83,6 +97,10 @@ class BlockPool:
         # queue for good and its ref count stays 0.
         self._null_block = self._free_block_queue.popleft()
         self._null_block.is_null = True
+        # KV cache events since the last take; None while events are off.
+        self._kv_event_queue: list[KVCacheEvent] | None = None
+        self._kv_events_as_int = True
+        self._kv_events_last_copy_removal = False
 
     # ------------------------------------------------------------------ properties
 
@@ -377,16 +395,63 @@ class BlockPool:
         self._cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self._blocks:
             block.reset_hash()
+        if self._kv_event_queue is not None:
+            from kvblocks.events import AllBlocksCleared
+
+            self._kv_event_queue.append(AllBlocksCleared())
         return True
 
     def _maybe_evict_cached_block(self, block: BlockState) -> bool:
-        """Drops ``block``'s hash from the block and the prefix map; False if it had none."""
+        """Drops ``block``'s hash from the block and the prefix map; False if it had none.
+
+        With events on, records one ``BlockRemoved`` for the key, unless the router-grade
+        ``last_copy_removal`` option is on and another block still caches the key.
+        """
         key = block.key
         if key is None:
             return False
         self._cached_block_hash_to_block.pop(key, block.block_id)
         block.reset_hash()
+        if self._kv_event_queue is not None:
+            still_cached = self._cached_block_hash_to_block.get_one_block(key) is not None
+            if not (self._kv_events_last_copy_removal and still_cached):
+                from kvblocks.events import MEDIUM_GPU, BlockRemoved, external_block_hash
+
+                block_hash, group_id = key
+                self._kv_event_queue.append(
+                    BlockRemoved(
+                        block_hashes=[external_block_hash(block_hash, self._kv_events_as_int)],
+                        medium=MEDIUM_GPU,
+                        group_idx=group_id,
+                    )
+                )
         return True
+
+    # ------------------------------------------------------------------ events
+
+    def _enable_kv_cache_events(self, as_int: bool, last_copy_removal: bool) -> None:
+        """Starts recording KV cache events (called by the manager that owns the pool).
+
+        Args:
+            as_int: Whether hashes go out as ints (low 8 bytes) rather than bytes.
+            last_copy_removal: Record a ``BlockRemoved`` only when the last block cached
+                under the key goes.
+        """
+        self._kv_event_queue = []
+        self._kv_events_as_int = as_int
+        self._kv_events_last_copy_removal = last_copy_removal
+
+    def _record_kv_event(self, event: KVCacheEvent) -> None:
+        """Appends an event (the manager's ``BlockStored``) if events are on."""
+        if self._kv_event_queue is not None:
+            self._kv_event_queue.append(event)
+
+    def _take_kv_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first (``[]`` while events are off)."""
+        if self._kv_event_queue is None:
+            return []
+        events, self._kv_event_queue = self._kv_event_queue, []
+        return events
 
     # ------------------------------------------------------------------ accessors
 

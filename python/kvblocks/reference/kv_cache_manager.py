@@ -5,7 +5,9 @@ over one ``FullAttentionManager`` (``vllm/v1/core/kv_cache_manager.py``,
 ``kv_cache_coordinator.py``, ``single_type_kv_cache_manager.py``), with the block table
 kept as block ids. Requests are duck-typed: the manager reads ``request_id``,
 ``num_tokens``, ``num_computed_tokens`` and ``block_hashes`` (vLLM's ``Request`` and
-:class:`kvblocks.reference.request.Request` both fit) and never writes them.
+:class:`kvblocks.reference.request.Request` both fit) and never writes them. With KV
+cache events on it also reads ``all_token_ids`` (and ``lora_request``, ``cache_salt``,
+``mm_features`` when present) of the blocks it caches, for their ``BlockStored``.
 
 Where vLLM ``assert``s, kvblocks raises a ``ValueError``; every call that raises or
 returns ``None`` leaves the manager and its pool exactly as they were.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvblocks.errors import BlockStateError
 from kvblocks.reference.block_pool import BlockPool
@@ -29,6 +31,9 @@ from kvblocks.reference.kv_cache_utils import (
     to_block_hash,
     to_int_list,
 )
+
+if TYPE_CHECKING:
+    from kvblocks.events import BlockStored, KVCacheEvent
 
 __all__ = ["KVCacheManager"]
 
@@ -59,6 +64,11 @@ class RequestLike(Protocol):
         """The hashes of the request's full blocks, block 0 first."""
         ...
 
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt then output token ids (read only with KV cache events on)."""
+        ...
+
 
 class KVCacheManager:
     """Block tables of running requests over a :class:`BlockPool`, with prefix caching.
@@ -69,13 +79,21 @@ class KVCacheManager:
         enable_caching: Whether to look up and fill the prefix cache.
         max_model_len: If given (positive), token counts are capped at it, as vLLM does.
         log_stats: Whether to keep :class:`PrefixCacheStats`.
-        enable_kv_cache_events: Whether to record KV cache events (none are produced yet;
-            :meth:`take_events` returns an empty list).
+        enable_kv_cache_events: Whether to record KV cache events for
+            :meth:`take_events` (vLLM's ``BlockStored``, ``BlockRemoved`` and
+            ``AllBlocksCleared``, see :mod:`kvblocks.events`; needs ``msgspec``). Block
+            hashes in events are ints unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``,
+            read here, asks for bytes.
+        kv_events_last_copy_removal: Router-grade option beyond vLLM: emit
+            ``BlockRemoved`` for a hash only when the last block caching it goes (vLLM
+            emits one per block, also while a duplicate still serves the hash).
 
     Raises:
         TypeError: a count is not an int.
         ValueError: ``num_blocks must be positive, got {n}``, ``block_size must be
-            positive, got {n}`` or ``max_model_len must be positive, got {n}``.
+            positive, got {n}`` or ``max_model_len must be positive, got {n}``; with
+            events on, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is not an integer.
+        ImportError: events are on and ``msgspec`` is not installed.
 
     Invariants:
         * ``_req_to_blocks[r]`` is request ``r``'s block table; the pool holds one
@@ -105,6 +123,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_last_copy_removal: bool = False,
     ) -> None:
         num_blocks = operator.index(num_blocks)
         block_size = operator.index(block_size)
@@ -119,6 +138,12 @@ class KVCacheManager:
         self._max_model_len = max_model_len
         self._enable_kv_cache_events = bool(enable_kv_cache_events)
         self._block_pool = BlockPool(num_blocks, self._enable_caching, block_size=block_size)
+        if self._enable_kv_cache_events:
+            from kvblocks.events import use_int_block_hashes
+
+            self._block_pool._enable_kv_cache_events(
+                use_int_block_hashes(), bool(kv_events_last_copy_removal)
+            )
         #: Request id -> its block table, in token order.
         self._req_to_blocks: dict[str, list[int]] = {}
         #: Request id -> how many leading blocks of its table are cached (hashed).
@@ -307,7 +332,7 @@ class KVCacheManager:
             # Only tokens that exist are cached (not lookahead slots), up to num_tokens.
             num_tokens_to_cache = min(num_tokens_main_model, num_tokens)
             plan = self._plan_caching(
-                req_blocks, request.block_hashes, num_cached, num_tokens_to_cache, final_len
+                request, req_blocks, num_cached, num_tokens_to_cache, final_len
             )
 
         # Adopt the hits and allocate blocks for the external tokens.
@@ -359,7 +384,7 @@ class KVCacheManager:
             )
         num_cached = self._num_cached_block.get(request_id, 0)
         plan = self._plan_caching(
-            req_blocks, block_hashes, num_cached, num_computed_tokens, len(req_blocks)
+            request, req_blocks, num_cached, num_computed_tokens, len(req_blocks)
         )
         if plan is not None:
             self._apply_caching(request_id, req_blocks, plan)
@@ -390,9 +415,24 @@ class KVCacheManager:
         """Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``)."""
         return self._block_pool.reset_prefix_cache()
 
-    def take_events(self) -> list[object]:
-        """The KV cache events since the last call. None are recorded yet: always ``[]``."""
-        return []
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call, oldest first.
+
+        ``[]`` unless the manager was created with ``enable_kv_cache_events=True``.
+        ``BlockStored`` events carry ``kv_cache_spec_kind="full_attention"``. Publish
+        them as ``KVEventBatch(ts=time.time(), events=events)`` (see
+        :mod:`kvblocks.events`).
+        """
+        events = self._block_pool._take_kv_events()
+        if events:
+            from kvblocks.events import FULL_ATTENTION, BlockStored
+
+            # As vLLM's take_events: stores get their group's KV cache spec kind, which
+            # the pool does not know. The one group is full attention.
+            for event in events:
+                if isinstance(event, BlockStored) and event.group_idx == _GROUP_ID:
+                    event.kv_cache_spec_kind = FULL_ATTENTION
+        return events
 
     # ------------------------------------------------------------------ stats
 
@@ -439,12 +479,12 @@ class KVCacheManager:
 
     def _plan_caching(
         self,
+        request: RequestLike,
         req_blocks: list[int],
-        block_hashes: Sequence[bytes],
         num_cached: int,
         num_tokens: int,
         table_len: int,
-    ) -> tuple[int, int, list[bytes]] | None:
+    ) -> tuple[int, int, list[bytes], BlockStored | None] | None:
         """Which blocks caching ``num_tokens`` tokens hashes, checked, before any change.
 
         A block is cached once it is full and its hash exists (vLLM's ``num_full_blocks =
@@ -453,21 +493,25 @@ class KVCacheManager:
         capped the slots).
 
         Args:
+            request: The request (its ``block_hashes``; with events on, its tokens).
             req_blocks: The table now; entries up to ``table_len`` will be fresh blocks.
-            block_hashes: The request's block hashes.
             num_cached: Leading blocks of the table already cached.
             num_tokens: Tokens whose full blocks to cache.
             table_len: The table's length when the caching happens.
 
         Returns:
-            ``(num_cached, num_full, hashes of blocks num_cached .. num_full - 1)``, or
-            ``None`` when no new block is full.
+            ``(num_cached, num_full, hashes of blocks num_cached .. num_full - 1, the
+            BlockStored to record or None with events off)``, or ``None`` when no new
+            block is full.
 
         Raises:
             BlockStateError: ``block {id} already has a hash`` for a block of the table
                 in the range (hashed behind the manager's back).
-            TypeError, ValueError: a hash in the range is not ``bytes`` of at most 32 bytes.
+            TypeError, ValueError: a hash in the range (or, with events on, the parent
+                hash) is not ``bytes`` of at most 32 bytes, or a token id is not an int.
+            AttributeError: events are on and the request has no ``all_token_ids``.
         """
+        block_hashes = request.block_hashes
         num_full = min(num_tokens // self._block_size, len(block_hashes), table_len)
         if num_cached >= num_full:
             return None
@@ -477,13 +521,68 @@ class KVCacheManager:
         hashes = [to_block_hash(h) for h in block_hashes[num_cached:num_full]]
         for block_hash in hashes:
             check_block_hash(block_hash)
-        return num_cached, num_full, hashes
+        event = None
+        if self._enable_kv_cache_events:
+            event = self._block_stored_event(request, hashes, num_cached, num_full)
+        return num_cached, num_full, hashes, event
+
+    def _block_stored_event(
+        self, request: RequestLike, hashes: list[bytes], num_cached: int, num_full: int
+    ) -> BlockStored:
+        """The ``BlockStored`` of caching blocks ``num_cached .. num_full - 1`` (as vLLM's
+        ``BlockPool.cache_full_blocks`` builds it), built before anything changes.
+
+        The parent is the request's logical parent, ``block_hashes[num_cached - 1]``;
+        the token ids are the request's tokens of the cached blocks.
+        """
+        from kvblocks.events import (
+            MEDIUM_GPU,
+            BlockStored,
+            block_stored_request_fields,
+            external_block_hash,
+        )
+
+        as_int = self._block_pool._kv_events_as_int
+        parent = None
+        if num_cached > 0:
+            parent = to_block_hash(request.block_hashes[num_cached - 1])
+            check_block_hash(parent)
+        block_size = self._block_size
+        token_ids = [
+            operator.index(t)
+            for t in request.all_token_ids[num_cached * block_size : num_full * block_size]
+        ]
+        num_blocks = num_full - num_cached
+        # LoRA id and name and per-block extra keys; None when the request has none.
+        fields = block_stored_request_fields(request, num_cached, num_blocks, block_size)
+        lora_id: int | None = None
+        lora_name: str | None = None
+        extra_keys: list[tuple[Any, ...] | None] = [None] * num_blocks
+        if fields is not None:
+            lora_id, lora_name, extra_keys = fields
+        return BlockStored(
+            block_hashes=[external_block_hash(h, as_int) for h in hashes],
+            parent_block_hash=None if parent is None else external_block_hash(parent, as_int),
+            token_ids=token_ids,
+            block_size=block_size,
+            lora_id=lora_id,
+            medium=MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=extra_keys,
+            group_idx=_GROUP_ID,
+        )
 
     def _apply_caching(
-        self, request_id: str, req_blocks: list[int], plan: tuple[int, int, list[bytes]]
+        self,
+        request_id: str,
+        req_blocks: list[int],
+        plan: tuple[int, int, list[bytes], BlockStored | None],
     ) -> None:
-        """Caches the planned blocks and records them as cached; cannot fail."""
-        num_cached, num_full, hashes = plan
+        """Caches the planned blocks, records them as cached and records the planned
+        ``BlockStored`` (after any ``BlockRemoved`` of this call, as vLLM); cannot fail."""
+        num_cached, num_full, hashes, event = plan
         new_full = req_blocks[num_cached:num_full]
         self._block_pool.cache_full_blocks(new_full, hashes, 0, len(new_full), _GROUP_ID)
         self._num_cached_block[request_id] = num_full
+        if event is not None:
+            self._block_pool._record_kv_event(event)

@@ -1,6 +1,6 @@
 //! kvblocks-core: vLLM 0.33.0's KV-cache block management in plain Rust.
 //!
-//! No Python here: `cargo test` exercises all of it. The PyO3 crate `kvblocks-py`
+//! No Python here: `cargo test` exercises all of it. The `PyO3` crate `kvblocks-py`
 //! only converts arguments and delegates to these modules.
 //!
 //! * [`free_queue`] — the index-linked LRU free list with head/tail sentinels.
@@ -10,9 +10,12 @@
 //! * [`hashing`] — vLLM-identical block hashing (pickle / CBOR serialisation, SHA-256, xxh3).
 //! * [`manager`] — the request-level KV cache manager for one full-attention group.
 //! * [`rollback`] — rolling requests back past KV blocks whose load failed.
+//! * [`events`] — KV cache events (vLLM's `BlockStored` / `BlockRemoved` /
+//!   `AllBlocksCleared`) as compact records.
 
 pub mod block_hash;
 pub mod error;
+pub mod events;
 pub mod free_queue;
 pub mod hashing;
 pub mod manager;

@@ -6,6 +6,11 @@
 //! asked only for the hashes a call needs, so a binding never converts a whole hash
 //! list per step.
 //!
+//! With KV cache events enabled ([`KVCacheManager::enable_kv_cache_events`]) each
+//! caching step records one `BlockStored` with the request's token ids for the blocks
+//! it caches, read through the hash source's [`TokenSource`] (only then: callers
+//! without events never provide tokens); the pool records the removals.
+//!
 //! Every method validates first and mutates after: an `Err` (and an `Ok(None)` from
 //! [`KVCacheManager::allocate_slots`]) means nothing changed.
 //!
@@ -21,6 +26,7 @@ use rustc_hash::FxHashMap;
 
 use crate::block_hash::BlockHash;
 use crate::error::{Error, Result};
+use crate::events::{EventConfig, EventLog};
 use crate::free_queue::ix;
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
 
@@ -45,6 +51,32 @@ pub trait HashSource {
     /// Any error the conversion hits (e.g. [`Error::HashTooLong`]). The manager passes
     /// it on unchanged, having changed nothing.
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> Result<()>;
+
+    /// The request's token ids, if this source provides them. A manager asks only
+    /// when KV cache events are on (for `BlockStored.token_ids`); it then refuses to
+    /// cache the blocks of a request whose source returns `None` (the default).
+    fn token_source(&self) -> Option<&dyn TokenSource> {
+        None
+    }
+}
+
+/// A request's token ids, prompt then output (vLLM's `request.all_token_ids`).
+pub trait TokenSource {
+    /// Appends the token ids in `range` to `out`: fewer if the request has fewer (as
+    /// a Python slice), `block_size` tokens per block of `range`. The manager asks once
+    /// per caching step, for the blocks it is about to cache, before changing anything.
+    ///
+    /// # Errors
+    /// Any error the conversion hits; the manager passes it on, having changed nothing.
+    fn token_ids(&self, range: Range<usize>, block_size: usize, out: &mut Vec<i64>) -> Result<()>;
+}
+
+impl TokenSource for Vec<i64> {
+    fn token_ids(&self, range: Range<usize>, _block_size: usize, out: &mut Vec<i64>) -> Result<()> {
+        let end = range.end.min(self.len());
+        out.extend_from_slice(self.get(range.start.min(end)..end).unwrap_or_default());
+        Ok(())
+    }
 }
 
 impl HashSource for [BlockHash] {
@@ -128,6 +160,16 @@ struct SlotCounts {
     required: usize,
 }
 
+/// A checked caching step: which blocks of the table to cache, their hashes, and the
+/// data of its `BlockStored` when events are on.
+struct CachePlan {
+    /// Block indices in the request's table.
+    range: Range<usize>,
+    hashes: Vec<BlockHash>,
+    /// `(parent hash, token ids)` when events are on.
+    event: Option<(Option<BlockHash>, Vec<i64>)>,
+}
+
 /// One request's state (vLLM's `req_to_blocks` and `num_cached_block` entries).
 #[derive(Debug, Clone, Default)]
 struct RequestBlocks {
@@ -190,6 +232,26 @@ impl KVCacheManager {
             stats: log_stats.then(PrefixCacheStats::default),
             requests: FxHashMap::default(),
         })
+    }
+
+    /// Starts recording KV cache events: the pool's removals and clears, and one
+    /// `BlockStored` per caching step. With `last_copy_removal` (router-grade, off in
+    /// vLLM) a removal is recorded only when the last block cached under its hash goes.
+    pub fn enable_kv_cache_events(&mut self, last_copy_removal: bool) {
+        self.pool.enable_events(EventConfig {
+            block_size: self.block_size,
+            last_copy_removal,
+        });
+    }
+
+    /// The KV cache events recorded since the last [`KVCacheManager::clear_events`].
+    pub fn events(&self) -> &EventLog {
+        self.pool.events()
+    }
+
+    /// Drops the recorded events (after they were taken), keeping their buffers.
+    pub fn clear_events(&mut self) {
+        self.pool.clear_events();
     }
 
     /// The block pool.
@@ -358,15 +420,16 @@ impl KVCacheManager {
         self.pool
             .get_new_blocks_into(required.saturating_sub(first_new), &mut entry.blocks)?;
         let allocated = entry.blocks[first_new..].to_vec();
-        if let Some((range, hashes)) = cache_plan {
+        if let Some(plan) = cache_plan {
             // The plan never reaches past the table (`table_len` is its final length).
-            let Some(blocks) = entry.blocks.get(range.clone()) else {
+            let Some(blocks) = entry.blocks.get(plan.range.clone()) else {
                 return Err(Error::Invariant(format!(
                     "request {id}: cache range past its table"
                 )));
             };
-            self.pool.cache_ids(blocks, &hashes, GROUP_ID)?;
-            entry.num_cached = Some(range.end);
+            self.pool.cache_ids(blocks, &plan.hashes, GROUP_ID)?;
+            entry.num_cached = Some(plan.range.end);
+            Self::record_stored(&mut self.pool, &plan);
         }
         Ok(Some(allocated))
     }
@@ -402,21 +465,22 @@ impl KVCacheManager {
                 num_block_ids: blocks.len(),
             });
         }
-        let Some((range, hashes)) =
+        let Some(plan) =
             self.plan_caching(request, blocks, num_cached, num_tokens, blocks.len())?
         else {
             return Ok(());
         };
-        let Some(to_cache) = blocks.get(range.clone()) else {
+        let Some(to_cache) = blocks.get(plan.range.clone()) else {
             return Err(Error::TooManyFullBlocks {
-                num_full_blocks: range.end,
+                num_full_blocks: plan.range.end,
                 num_block_ids: blocks.len(),
             });
         };
-        self.pool.cache_ids(to_cache, &hashes, GROUP_ID)?;
+        self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
         if let Some(entry) = self.requests.get_mut(request.request_id) {
-            entry.num_cached = Some(range.end);
+            entry.num_cached = Some(plan.range.end);
         }
+        Self::record_stored(&mut self.pool, &plan);
         Ok(())
     }
 
@@ -617,11 +681,14 @@ impl KVCacheManager {
     /// Which blocks caching `num_tokens` tokens would hash, with their hashes:
     /// `None` when nothing new is full. `table` is the current table, which will have
     /// `table_len` entries when the caching happens (entries past `table` are fresh,
-    /// unhashed allocations).
+    /// unhashed allocations). With events on, also the parent hash and the token ids
+    /// of the `BlockStored` to record.
     ///
     /// # Errors
     /// [`Error::AlreadyHashed`] for an existing block in the range that has a hash;
-    /// [`Error::TooFewHashes`] if the hash source returns too few; its own errors.
+    /// [`Error::TooFewHashes`] if the hash source returns too few; its own errors;
+    /// with events on, [`Error::InvalidArgument`] when it has no [`TokenSource`], and
+    /// the token source's errors.
     fn plan_caching<H: HashSource + ?Sized>(
         &self,
         request: &RequestView<'_, H>,
@@ -629,7 +696,7 @@ impl KVCacheManager {
         num_cached: usize,
         num_tokens: usize,
         table_len: usize,
-    ) -> Result<Option<(Range<usize>, Vec<BlockHash>)>> {
+    ) -> Result<Option<CachePlan>> {
         let num_hashes = request.block_hashes.num_hashes();
         // vLLM: min(num_tokens, len(block_hashes) * block_size) // block_size, never
         // past the table (only reachable when max_model_len caps the slots).
@@ -653,6 +720,61 @@ impl KVCacheManager {
                 got: num_cached + hashes.len(),
             });
         }
-        Ok(Some((num_cached..full, hashes)))
+        let event = if self.pool.events().is_enabled() {
+            Some(self.stored_event_data(request, num_cached, full)?)
+        } else {
+            None
+        };
+        Ok(Some(CachePlan {
+            range: num_cached..full,
+            hashes,
+            event,
+        }))
+    }
+
+    /// The parent hash (vLLM's logical parent: the request's hash before block
+    /// `num_cached`) and the token ids of blocks `num_cached .. full`, for a
+    /// `BlockStored`.
+    fn stored_event_data<H: HashSource + ?Sized>(
+        &self,
+        request: &RequestView<'_, H>,
+        num_cached: usize,
+        full: usize,
+    ) -> Result<(Option<BlockHash>, Vec<i64>)> {
+        let parent = match num_cached.checked_sub(1) {
+            Some(i) => {
+                let mut one = Vec::with_capacity(1);
+                request.block_hashes.hashes(i..num_cached, &mut one)?;
+                let Some(&parent) = one.first() else {
+                    return Err(Error::TooFewHashes {
+                        needed: num_cached,
+                        got: i,
+                    });
+                };
+                Some(parent)
+            }
+            None => None,
+        };
+        let Some(source) = request.block_hashes.token_source() else {
+            return Err(Error::InvalidArgument(format!(
+                "KV cache events need the token ids of request {}",
+                request.request_id
+            )));
+        };
+        let bs = self.block_size;
+        let mut tokens = Vec::with_capacity((full - num_cached).saturating_mul(bs));
+        source.token_ids(
+            num_cached.saturating_mul(bs)..full.saturating_mul(bs),
+            bs,
+            &mut tokens,
+        )?;
+        Ok((parent, tokens))
+    }
+
+    /// Records the `BlockStored` of an applied caching step (events on).
+    fn record_stored(pool: &mut BlockPool, plan: &CachePlan) {
+        if let Some((parent, tokens)) = &plan.event {
+            pool.record_stored(&plan.hashes, *parent, tokens, plan.range.start, GROUP_ID);
+        }
     }
 }

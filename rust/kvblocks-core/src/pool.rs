@@ -8,7 +8,11 @@
 //!   insertion order.
 //!
 //! Block 0 is the null block: never free, never handed out, never hashed, ref count
-//! never tracked. Every public method validates all of its input before it mutates
+//! never tracked. Once events are enabled ([`BlockPool::enable_events`]) the pool
+//! records a `BlockRemoved` per prefix-cache entry it drops (lazy eviction in
+//! [`BlockPool::get_new_blocks`], [`BlockPool::evict_blocks`]) and an
+//! `AllBlocksCleared` per successful reset; `BlockStored` comes from the manager,
+//! which knows the request's tokens. Every public method validates all of its input before it mutates
 //! anything, so an `Err` means the pool is exactly as it was.
 //!
 //! Invariants (checked by [`BlockPool::check_invariants`]):
@@ -18,6 +22,7 @@
 
 use crate::block_hash::BlockHash;
 use crate::error::{Error, Result};
+use crate::events::{EventConfig, EventLog};
 use crate::free_queue::{ix, try_filled_vec, FreeQueue, MAX_CAPACITY};
 use crate::prefix_map::PrefixMap;
 
@@ -53,6 +58,8 @@ pub struct BlockPool {
     prefix: PrefixMap,
     /// Reused buffer for the blocks `free_blocks` prepends, so frees do not allocate.
     scratch: Vec<u32>,
+    /// KV cache events since they were last taken (nothing while disabled).
+    events: EventLog,
 }
 
 impl BlockPool {
@@ -88,6 +95,7 @@ impl BlockPool {
             free_queue,
             prefix: PrefixMap::new(n)?,
             scratch: Vec::new(),
+            events: EventLog::default(),
         })
     }
 
@@ -149,7 +157,7 @@ impl BlockPool {
                 break;
             };
             if self.enable_caching {
-                self.prefix.remove(id);
+                self.evict_cached(id);
             }
             // Queued blocks have ref count 0 (invariant 2).
             self.ref_cnt[ix(id)] = 1;
@@ -276,7 +284,7 @@ impl BlockPool {
         let mut removed = Vec::new();
         for id in block_ids.iter().filter_map(|&id| u32::try_from(id).ok()) {
             if id != NULL_BLOCK_ID {
-                removed.extend(self.prefix.remove(id));
+                removed.extend(self.evict_cached(id));
             }
         }
         Ok(removed)
@@ -289,7 +297,23 @@ impl BlockPool {
             return false;
         }
         self.prefix.clear();
+        self.events.record_cleared();
         true
+    }
+
+    /// Starts recording KV cache events (see the module docs).
+    pub fn enable_events(&mut self, config: EventConfig) {
+        self.events.enable(config);
+    }
+
+    /// The KV cache events recorded since the last [`BlockPool::clear_events`].
+    pub fn events(&self) -> &EventLog {
+        &self.events
+    }
+
+    /// Drops the recorded events (after they were taken), keeping their buffers.
+    pub fn clear_events(&mut self) {
+        self.events.clear();
     }
 
     /// A snapshot of block `block_id`.
@@ -329,6 +353,7 @@ impl BlockPool {
         (self.ref_cnt.capacity() + self.scratch.capacity()) * std::mem::size_of::<u32>()
             + self.free_queue.heap_bytes()
             + self.prefix.heap_bytes()
+            + self.events.heap_bytes()
     }
 
     /// Walks every structure and reports the first broken rule.
@@ -473,6 +498,32 @@ impl BlockPool {
             }
         }
         Ok(())
+    }
+
+    /// Records a `BlockStored` for blocks the manager just cached.
+    pub(crate) fn record_stored(
+        &mut self,
+        hashes: &[BlockHash],
+        parent: Option<BlockHash>,
+        tokens: &[i64],
+        first_block: usize,
+        group: u32,
+    ) {
+        self.events
+            .record_stored(hashes, parent, tokens, first_block, group);
+    }
+
+    /// Drops block `id`'s (trusted) prefix-cache entry, if it has one, and records its
+    /// `BlockRemoved` (vLLM's `_maybe_evict_cached_block`).
+    fn evict_cached(&mut self, id: u32) -> Option<(BlockHash, u32)> {
+        let (hash, group) = self.prefix.remove(id)?;
+        if let Some(config) = self.events.config() {
+            // Only the router-grade option needs the lookup.
+            let still_cached =
+                config.last_copy_removal && self.prefix.first(&hash, group).is_some();
+            self.events.record_removed(hash, group, still_cached);
+        }
+        Some((hash, group))
     }
 
     /// Whether block `id` (trusted) is cached under some key.

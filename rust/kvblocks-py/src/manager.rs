@@ -18,6 +18,7 @@ use pyo3::types::{PyList, PySequence, PyTuple};
 
 use crate::convert::{int_column, IntColumn};
 use crate::errors::IntoPyResult;
+use crate::events::{take_events, EventState, RequestTokens};
 use crate::pool::{block_hash, PyBlockPool};
 use crate::request::PyRequest;
 
@@ -201,13 +202,21 @@ impl From<PrefixCacheStats> for PyPrefixCacheStats {
 ///     enable_caching: Whether to look up and fill the prefix cache.
 ///     max_model_len: If given (positive), token counts are capped at it, as vLLM does.
 ///     log_stats: Whether to keep :class:`PrefixCacheStats`.
-///     enable_kv_cache_events: Whether to record KV cache events (none are produced yet;
-///         :meth:`take_events` returns an empty list).
+///     enable_kv_cache_events: Whether to record KV cache events for
+///         :meth:`take_events` (vLLM's ``BlockStored``, ``BlockRemoved`` and
+///         ``AllBlocksCleared``, see :mod:`kvblocks.events`; needs ``msgspec``). Block
+///         hashes in events are ints unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``,
+///         read here, asks for bytes.
+///     kv_events_last_copy_removal: Router-grade option beyond vLLM: emit
+///         ``BlockRemoved`` for a hash only when the last block caching it goes (vLLM
+///         emits one per block, also while a duplicate still serves the hash).
 ///
 /// Raises:
 ///     TypeError: a count is not an int.
 ///     ValueError: ``num_blocks must be positive, got {n}``, ``block_size must be
-///         positive, got {n}`` or ``max_model_len must be positive, got {n}``.
+///         positive, got {n}`` or ``max_model_len must be positive, got {n}``; with
+///         events on, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is not an integer.
+///     ImportError: events are on and ``msgspec`` is not installed.
 ///
 /// Invariants:
 ///     * ``_req_to_blocks[r]`` is request ``r``'s block table; the pool holds one
@@ -219,6 +228,8 @@ impl From<PrefixCacheStats> for PyPrefixCacheStats {
 pub struct PyKVCacheManager {
     pub inner: CoreManager,
     block_size: i64,
+    /// `Some` iff KV cache events are on.
+    events: Option<EventState>,
 }
 
 #[pymethods]
@@ -226,20 +237,20 @@ impl PyKVCacheManager {
     #[new]
     #[pyo3(signature = (
         num_blocks, block_size, *, enable_caching=true, max_model_len=None, log_stats=false,
-        enable_kv_cache_events=false
+        enable_kv_cache_events=false, kv_events_last_copy_removal=false
     ))]
+    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn new(
+        py: Python<'_>,
         num_blocks: i64,
         block_size: i64,
         enable_caching: bool,
         max_model_len: Option<i64>,
         log_stats: bool,
         enable_kv_cache_events: bool,
+        kv_events_last_copy_removal: bool,
     ) -> PyResult<Self> {
-        // Events arrive with the KV-cache-events work; the flag is accepted for vLLM's
-        // signature and `take_events()` returns nothing until then.
-        let _ = enable_kv_cache_events;
-        let inner = CoreManager::new(
+        let mut inner = CoreManager::new(
             num_blocks,
             block_size,
             enable_caching,
@@ -247,7 +258,20 @@ impl PyKVCacheManager {
             log_stats,
         )
         .py()?;
-        Ok(Self { inner, block_size })
+        let events = if enable_kv_cache_events {
+            Some(EventState::enable(
+                py,
+                &mut inner,
+                kv_events_last_copy_removal,
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            inner,
+            block_size,
+            events,
+        })
     }
 
     /// The pool the block tables draw from.
@@ -364,7 +388,11 @@ impl PyKVCacheManager {
             num_external_computed_tokens,
             delay_cache_blocks,
         };
-        RequestArg::new(request)?.with(|view| self.inner.allocate_slots(view, &slots))
+        let tokens = RequestTokens::new(self.events.as_ref(), request);
+        let before = self.inner.events().len();
+        let result = RequestArg::new(request)?
+            .with(|view| tokens.run(view, |view| self.inner.allocate_slots(view, &slots)));
+        tokens.finish(result, self.events.as_mut(), self.inner.events(), before)
     }
 
     /// Frees the request's blocks, tail first, and forgets the request.
@@ -395,7 +423,14 @@ impl PyKVCacheManager {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        RequestArg::new(request)?.with(|view| self.inner.cache_blocks(view, num_computed_tokens))
+        let tokens = RequestTokens::new(self.events.as_ref(), request);
+        let before = self.inner.events().len();
+        let result = RequestArg::new(request)?.with(|view| {
+            tokens.run(view, |view| {
+                self.inner.cache_blocks(view, num_computed_tokens)
+            })
+        });
+        tokens.finish(result, self.events.as_mut(), self.inner.events(), before)
     }
 
     /// The request's block table, one list per group: ``([ids...],)``; ``([],)`` if unknown.
@@ -421,11 +456,14 @@ impl PyKVCacheManager {
         self.inner.reset_prefix_cache()
     }
 
-    /// The KV cache events since the last call. None are recorded yet: always ``[]``.
-    // A method without state for now: vLLM's API, and events will need `self`.
-    #[allow(clippy::unused_self)]
-    fn take_events<'py>(&self, py: Python<'py>) -> Bound<'py, PyList> {
-        PyList::empty(py)
+    /// The KV cache events recorded since the last call, oldest first.
+    ///
+    /// ``[]`` unless the manager was created with ``enable_kv_cache_events=True``.
+    /// ``BlockStored`` events carry ``kv_cache_spec_kind="full_attention"``. Publish
+    /// them as ``KVEventBatch(ts=time.time(), events=events)`` (see
+    /// :mod:`kvblocks.events`).
+    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        take_events(py, &mut self.inner, self.events.as_mut())
     }
 
     /// Records one admission's prefix-cache lookup (a no-op without ``log_stats``).

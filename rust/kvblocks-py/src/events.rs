@@ -1,0 +1,301 @@
+//! KV cache events for Python: the core records compact events; `take_events()` turns
+//! them into the msgspec structs of `kvblocks.events` (the only place Python event
+//! objects are built), with the hash form (int or bytes) chosen when the manager was
+//! created.
+//!
+//! While the manager caches a request's blocks, the core asks for their token ids
+//! through [`RequestTokens`], which reads them from a native `Request` in place or
+//! from `request.all_token_ids`, and at the same point (before anything changes) asks
+//! `kvblocks.events.block_stored_request_fields` for the `LoRA` fields and extra keys of
+//! a request that has any. Those few Python objects are kept beside the core's record
+//! until the events are taken.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
+use kvblocks_core::manager::{HashSource, KVCacheManager, RequestView, TokenSource};
+use kvblocks_core::{BlockHash, Error};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyList, PySlice};
+
+use crate::request::PyRequest;
+
+/// `kv_cache_spec_kind` of the manager's one group.
+const FULL_ATTENTION: &str = "full_attention";
+/// `medium` of every event.
+const MEDIUM_GPU: &str = "GPU";
+/// The module with the event structs and the shared helpers.
+const EVENTS_MODULE: &str = "kvblocks.events";
+
+static BLOCK_STORED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static BLOCK_REMOVED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static REQUEST_FIELDS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// A manager's event settings and the Python side of its `BlockStored` records.
+pub struct EventState {
+    /// Hashes go out as ints (low 8 bytes, big-endian) rather than bytes.
+    int_hashes: bool,
+    /// `(record index, (lora_id, lora_name, extra_keys))` for the `BlockStored` records
+    /// of requests with `LoRA`, multimodal items or a cache salt, in record order.
+    fields: Vec<(usize, Py<PyAny>)>,
+}
+
+impl EventState {
+    /// Switches events on for `manager`, reading `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
+    /// through `kvblocks.events` (which needs `msgspec`: its `ImportError` is raised
+    /// here, when the manager is created).
+    pub fn enable(
+        py: Python<'_>,
+        manager: &mut KVCacheManager,
+        last_copy_removal: bool,
+    ) -> PyResult<Self> {
+        let int_hashes = py
+            .import(EVENTS_MODULE)?
+            .call_method0("use_int_block_hashes")?
+            .extract()?;
+        manager.enable_kv_cache_events(last_copy_removal);
+        Ok(Self {
+            int_hashes,
+            fields: Vec::new(),
+        })
+    }
+
+    fn hash<'py>(&self, py: Python<'py>, hash: &BlockHash) -> PyResult<Bound<'py, PyAny>> {
+        if self.int_hashes {
+            Ok(hash_as_u64(hash).into_pyobject(py)?.into_any())
+        } else {
+            Ok(PyBytes::new(py, hash.as_bytes()).into_any())
+        }
+    }
+}
+
+/// The events recorded since the last call as `kvblocks.events` structs, oldest first;
+/// the log is then emptied. `[]` with events off.
+pub fn take_events<'py>(
+    py: Python<'py>,
+    manager: &mut KVCacheManager,
+    state: Option<&mut EventState>,
+) -> PyResult<Bound<'py, PyList>> {
+    let Some(state) = state else {
+        return Ok(PyList::empty(py));
+    };
+    let log = manager.events();
+    let out = PyList::empty(py);
+    if log.is_empty() {
+        return Ok(out);
+    }
+    let stored = BLOCK_STORED.import(py, EVENTS_MODULE, "BlockStored")?;
+    let removed = BLOCK_REMOVED.import(py, EVENTS_MODULE, "BlockRemoved")?;
+    let cleared = ALL_BLOCKS_CLEARED.import(py, EVENTS_MODULE, "AllBlocksCleared")?;
+    let block_size = log.config().map_or(0, |c| c.block_size);
+    let mut fields = state.fields.iter().peekable();
+    for (index, record) in log.records().iter().enumerate() {
+        let event = match record {
+            EventRecord::Stored(s) => {
+                let hashes = log.stored_hashes(s);
+                let hash_list = PyList::empty(py);
+                for h in hashes {
+                    hash_list.append(state.hash(py, h)?)?;
+                }
+                let parent = match &s.parent {
+                    Some(h) => state.hash(py, h)?,
+                    None => py.None().into_bound(py),
+                };
+                let (lora_id, lora_name, extra_keys) = match fields.next_if(|(at, _)| *at == index)
+                {
+                    Some((_, f)) => {
+                        f.bind(py)
+                            .extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>(
+                            )?
+                    }
+                    None => (
+                        py.None().into_bound(py),
+                        py.None().into_bound(py),
+                        PyList::new(py, hashes.iter().map(|_| py.None()))?.into_any(),
+                    ),
+                };
+                stored.call1((
+                    hash_list,
+                    parent,
+                    PyList::new(py, log.stored_tokens(s))?,
+                    block_size,
+                    lora_id,
+                    MEDIUM_GPU,
+                    lora_name,
+                    extra_keys,
+                    s.group,
+                    FULL_ATTENTION,
+                ))?
+            }
+            EventRecord::Removed { hash, group } => removed.call1((
+                PyList::new(py, [state.hash(py, hash)?])?,
+                MEDIUM_GPU,
+                *group,
+            ))?,
+            EventRecord::AllCleared => cleared.call0()?,
+        };
+        out.append(event)?;
+    }
+    // Only once every object was built: a failure above loses no event.
+    manager.clear_events();
+    state.fields.clear();
+    Ok(out)
+}
+
+/// A request's token ids (and `BlockStored` request fields) for the core, collected
+/// while it plans a caching step. Inert when events are off.
+pub struct RequestTokens<'py> {
+    /// The request, or `None` when events are off.
+    request: Option<Bound<'py, PyAny>>,
+    /// A Python error met while reading, re-raised in place of the core's error.
+    error: RefCell<Option<PyErr>>,
+    /// The request fields of the planned `BlockStored`, if the request has any.
+    fields: RefCell<Option<Py<PyAny>>>,
+}
+
+impl<'py> RequestTokens<'py> {
+    /// Tokens of `request` when `state` says events are on.
+    pub fn new(state: Option<&EventState>, request: &Bound<'py, PyAny>) -> Self {
+        Self {
+            request: state.map(|_| request.clone()),
+            error: RefCell::new(None),
+            fields: RefCell::new(None),
+        }
+    }
+
+    /// Runs `f` on `view`, with this token source attached to it when events are on.
+    pub fn run<T>(
+        &self,
+        view: &RequestView<'_, dyn HashSource + '_>,
+        f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
+    ) -> kvblocks_core::Result<T> {
+        if self.request.is_none() {
+            return f(view);
+        }
+        let hashes = WithTokens {
+            hashes: view.block_hashes,
+            tokens: self,
+        };
+        f(&RequestView {
+            request_id: view.request_id,
+            num_tokens: view.num_tokens,
+            num_computed_tokens: view.num_computed_tokens,
+            block_hashes: &hashes as &dyn HashSource,
+        })
+    }
+
+    /// The call's result, with a Python error of ours in place of the core's error,
+    /// and, on success, the planned request fields attached to the `BlockStored` the
+    /// call recorded (among the records from index `before` on).
+    pub fn finish<T>(
+        &self,
+        result: PyResult<T>,
+        state: Option<&mut EventState>,
+        log: &EventLog,
+        before: usize,
+    ) -> PyResult<T> {
+        if result.is_err() {
+            if let Some(err) = self.error.borrow_mut().take() {
+                return Err(err);
+            }
+            return result;
+        }
+        if let (Some(state), Some(fields)) = (state, self.fields.borrow_mut().take()) {
+            let new = log.records().get(before..).unwrap_or_default();
+            if let Some(offset) = new.iter().position(|r| matches!(r, EventRecord::Stored(_))) {
+                state.fields.push((before + offset, fields));
+            }
+        }
+        result
+    }
+
+    /// Reads the tokens of `range` and, for a request with extra keys, its fields.
+    fn read(
+        &self,
+        request: &Bound<'py, PyAny>,
+        range: Range<usize>,
+        block_size: usize,
+        out: &mut Vec<i64>,
+    ) -> PyResult<()> {
+        let py = request.py();
+        let first_block = range.start / block_size.max(1);
+        let num_blocks = range.len() / block_size.max(1);
+        let has_fields = if let Ok(native) = request.cast::<PyRequest>() {
+            let native = native.try_borrow()?;
+            let view = native.hash_view(py);
+            let end = range.end.min(view.tokens.len());
+            out.extend_from_slice(
+                view.tokens
+                    .get(range.start.min(end)..end)
+                    .unwrap_or_default(),
+            );
+            // Most requests have none of these: no Python call for them.
+            let attrs = &view.attrs;
+            !attrs.lora_request.is_none()
+                || (first_block == 0 && attrs.cache_salt.is_truthy()?)
+                || attrs.mm_features.is_truthy()?
+        } else {
+            let slice = PySlice::new(
+                py,
+                isize::try_from(range.start).unwrap_or(isize::MAX),
+                isize::try_from(range.end).unwrap_or(isize::MAX),
+                1,
+            );
+            let tokens = request.getattr("all_token_ids")?.get_item(slice)?;
+            for token in tokens.try_iter()? {
+                out.push(token?.extract()?);
+            }
+            true
+        };
+        if has_fields {
+            let helper = REQUEST_FIELDS.import(py, EVENTS_MODULE, "block_stored_request_fields")?;
+            let fields = helper.call1((request, first_block, num_blocks, block_size))?;
+            if !fields.is_none() {
+                // Checked now, so that take_events() cannot fail on it.
+                fields.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>()?;
+                *self.fields.borrow_mut() = Some(fields.unbind());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TokenSource for RequestTokens<'_> {
+    fn token_ids(
+        &self,
+        range: Range<usize>,
+        block_size: usize,
+        out: &mut Vec<i64>,
+    ) -> kvblocks_core::Result<()> {
+        let Some(request) = &self.request else {
+            return Ok(());
+        };
+        self.read(request, range, block_size, out).map_err(|err| {
+            *self.error.borrow_mut() = Some(err);
+            Error::InvalidArgument("reading the request's token ids failed".to_owned())
+        })
+    }
+}
+
+/// A request's hash source with its token source attached.
+struct WithTokens<'a> {
+    hashes: &'a (dyn HashSource + 'a),
+    tokens: &'a dyn TokenSource,
+}
+
+impl HashSource for WithTokens<'_> {
+    fn num_hashes(&self) -> usize {
+        self.hashes.num_hashes()
+    }
+
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
+        self.hashes.hashes(range, out)
+    }
+
+    fn token_source(&self) -> Option<&dyn TokenSource> {
+        Some(self.tokens)
+    }
+}
