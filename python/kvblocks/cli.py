@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import kvblocks
+from kvblocks.sim import cli as sim_cli
 
 
 def _pool_line(pool: kvblocks.BlockPool) -> str:
@@ -83,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help="also write results.json, results.md and results.png there",
     )
+    sim_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo()
@@ -90,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvblocks import bench as bench_module
 
         return bench_module.main(args.workload, args.quick, args.rounds, args.out)
+    if args.command == "simulate":
+        return sim_cli.main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
