@@ -2,6 +2,8 @@
 
 mod convert;
 mod errors;
+mod events;
+mod hashing;
 mod manager;
 mod pool;
 mod request;
@@ -15,6 +17,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyKVCacheBlock>()?;
     m.add_class::<manager::PyKVCacheManager>()?;
     m.add_class::<manager::PyPrefixCacheStats>()?;
+    m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<request::PyRequest>()?;
     m.add_class::<rollback::PyRollbackResult>()?;
     m.add_class::<rollback::PyInvalidBlocksOutcome>()?;
@@ -22,6 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rollback::update_requests_with_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(rollback::handle_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(rollback::handle_failed_recving, m)?)?;
-    m.add("__all__", ["BlockPool", "KVCacheBlock", "KVCacheManager", "PrefixCacheStats", "InvalidBlocksOutcome", "RollbackResult", "rollback_invalid_blocks", "update_requests_with_invalid_blocks", "handle_invalid_blocks", "handle_failed_recving"])?;
+    m.add("__all__", ["BlockHasher", "BlockPool", "KVCacheBlock", "KVCacheManager", "PrefixCacheStats", "Request", "InvalidBlocksOutcome", "RollbackResult", "rollback_invalid_blocks", "update_requests_with_invalid_blocks", "handle_invalid_blocks", "handle_failed_recving"])?;
     Ok(())
 }

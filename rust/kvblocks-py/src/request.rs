@@ -1,17 +1,45 @@
 //! `Request` for Python: a request's tokens and block hashes kept in Rust, so the
-//! native manager reads them in place.
+//! native manager reads them in place and a native `BlockHasher` hashes them without a
+//! Python call per block.
 
-use kvblocks_core::BlockHash;
+// The `///` comments of the Python-visible items are the reference's docstrings, copied
+// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
+// markdown, so the markdown lint does not apply to them.
+#![allow(clippy::doc_markdown)]
+
+use kvblocks_core::{BlockHash, Error};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::{PyTraverseError, PyVisit};
+
+use crate::errors::to_py;
+use crate::hashing::{
+    into_vec, token_id, token_ids, type_name, Given, NativeRequest, PyBlockHasher, RequestAttrs,
+};
+use crate::pool::block_hash;
 
 /// A request's token ids and the hashes of its full blocks.
+///
+/// ``lora_request``, ``cache_salt``, ``mm_features`` and ``prompt_embeds`` are the
+/// attributes of vLLM's ``Request`` that ``BlockHasher`` reads for extra keys.
 #[pyclass(module = "kvblocks._native", name = "Request")]
 pub struct PyRequest {
     request_id: String,
+    /// The `str` object given as the id, handed back as it was.
+    request_id_obj: Py<PyString>,
     num_prompt_tokens: usize,
+    /// Prompt then output token ids.
     all_token_ids: Vec<i64>,
     num_computed_tokens: i64,
     block_hashes: Vec<BlockHash>,
+    /// The Python attributes; `None` stands for Python `None` (and after `__clear__`).
+    block_hasher: Option<Py<PyAny>>,
+    lora_request: Option<Py<PyAny>>,
+    cache_salt: Option<Py<PyAny>>,
+    mm_features: Option<Py<PyAny>>,
+    prompt_embeds: Option<Py<PyAny>>,
 }
 
 impl PyRequest {
@@ -33,5 +61,359 @@ impl PyRequest {
     /// The hashes of the full blocks, block 0 first.
     pub fn block_hashes(&self) -> &[BlockHash] {
         &self.block_hashes
+    }
+
+    /// What a native `BlockHasher` reads of the request.
+    pub fn hash_view<'a, 'py>(&'a self, py: Python<'py>) -> NativeRequest<'a, 'py> {
+        NativeRequest {
+            tokens: &self.all_token_ids,
+            hashes: &self.block_hashes,
+            attrs: RequestAttrs {
+                lora_request: bind_or_none(py, self.lora_request.as_ref()),
+                cache_salt: bind_or_none(py, self.cache_salt.as_ref()),
+                mm_features: bind_or_none(py, self.mm_features.as_ref()),
+                prompt_embeds: bind_or_none(py, self.prompt_embeds.as_ref()),
+            },
+        }
+    }
+}
+
+fn bind_or_none<'py>(py: Python<'py>, obj: Option<&Py<PyAny>>) -> Bound<'py, PyAny> {
+    obj.map_or_else(|| py.None().into_bound(py), |o| o.bind(py).clone())
+}
+
+/// `Some(obj)` unless `obj` is Python `None`.
+fn non_none(obj: Option<&Bound<'_, PyAny>>) -> Option<Py<PyAny>> {
+    obj.filter(|o| !o.is_none()).map(|o| o.clone().unbind())
+}
+
+/// Whether `append_output_token_ids` takes `obj` as one id, as the reference decides:
+/// an `numbers.Integral`, or anything that is not an `Iterable`.
+fn is_single_id(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    static INTEGRAL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    static ITERABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    // The common cases, without the ABC checks.
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(true);
+    }
+    if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+        return Ok(false);
+    }
+    let py = obj.py();
+    Ok(
+        obj.is_instance(INTEGRAL.import(py, "numbers", "Integral")?)?
+            || !obj.is_instance(ITERABLE.import(py, "collections.abc", "Iterable")?)?,
+    )
+}
+
+#[pymethods]
+impl PyRequest {
+    // Builds a request and hashes its full prompt blocks (the hasher gets the finished
+    // object, so `#[new]` returns it rather than a struct to wrap).
+    #[new]
+    #[pyo3(
+        signature = (
+            request_id,
+            prompt_token_ids,
+            *,
+            block_hasher = None,
+            lora_request = None,
+            cache_salt = None,
+            mm_features = Given::Absent,
+            prompt_embeds = None,
+        ),
+        text_signature = "(request_id, prompt_token_ids, *, block_hasher=None, lora_request=None, \
+                          cache_salt=None, mm_features=(), prompt_embeds=None)"
+    )]
+    #[allow(clippy::too_many_arguments)] // the reference's keyword arguments
+    fn new<'py>(
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        prompt_token_ids: &Bound<'py, PyAny>,
+        block_hasher: Option<&Bound<'py, PyAny>>,
+        lora_request: Option<&Bound<'py, PyAny>>,
+        cache_salt: Option<&Bound<'py, PyAny>>,
+        mm_features: Given<'py>,
+        prompt_embeds: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, Self>> {
+        let id = request_id.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "request_id must be a str, got {}",
+                type_name(request_id)
+            ))
+        })?;
+        let block_hasher = non_none(block_hasher);
+        if let Some(hasher) = &block_hasher {
+            if !hasher.bind(py).is_callable() {
+                return Err(PyTypeError::new_err(format!(
+                    "block_hasher must be callable or None, got {}",
+                    type_name(hasher.bind(py))
+                )));
+            }
+        }
+        let prompt = into_vec(token_ids(prompt_token_ids)?);
+        let mm_features = match mm_features {
+            Given::Absent => Some(PyTuple::empty(py).into_any().unbind()),
+            Given::Is(obj) => non_none(Some(&obj)),
+        };
+        let request = Bound::new(
+            py,
+            Self {
+                request_id: id.to_str()?.to_owned(),
+                request_id_obj: id.clone().unbind(),
+                num_prompt_tokens: prompt.len(),
+                all_token_ids: prompt,
+                num_computed_tokens: 0,
+                block_hashes: Vec::new(),
+                block_hasher,
+                lora_request: non_none(lora_request),
+                cache_salt: non_none(cache_salt),
+                mm_features,
+                prompt_embeds: non_none(prompt_embeds),
+            },
+        )?;
+        Self::update_block_hashes(&request)?;
+        Ok(request)
+    }
+
+    /// The request's id.
+    #[getter(request_id)]
+    fn request_id_py(&self, py: Python<'_>) -> Py<PyString> {
+        self.request_id_obj.clone_ref(py)
+    }
+
+    /// The prompt's token ids (do not modify).
+    #[getter]
+    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.all_token_ids
+                .get(..self.num_prompt_tokens)
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Prompt then output token ids (do not modify).
+    #[getter]
+    fn all_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.all_token_ids)
+    }
+
+    /// Token ids appended since construction (do not modify).
+    #[getter]
+    fn output_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.all_token_ids
+                .get(self.num_prompt_tokens..)
+                .unwrap_or_default(),
+        )
+    }
+
+    /// One hash per full block hashed so far, block 0 first (do not modify).
+    #[getter(block_hashes)]
+    fn block_hashes_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.block_hashes
+                .iter()
+                .map(|h| PyBytes::new(py, h.as_bytes())),
+        )
+    }
+
+    /// The LoRA adapter: adds ``("lora", name, path)`` to every block's extra keys.
+    #[getter]
+    fn lora_request(&self, py: Python<'_>) -> Py<PyAny> {
+        bind_or_none(py, self.lora_request.as_ref()).unbind()
+    }
+
+    #[setter]
+    fn set_lora_request(&mut self, value: &Bound<'_, PyAny>) {
+        self.lora_request = non_none(Some(value));
+    }
+
+    /// Mixed into the first block's hash (``("cache_salt", salt)``) when truthy.
+    #[getter]
+    fn cache_salt(&self, py: Python<'_>) -> Py<PyAny> {
+        bind_or_none(py, self.cache_salt.as_ref()).unbind()
+    }
+
+    #[setter]
+    fn set_cache_salt(&mut self, value: &Bound<'_, PyAny>) {
+        self.cache_salt = non_none(Some(value));
+    }
+
+    /// Multimodal items, sorted by offset: ``("mm", identifier, offset)`` keys.
+    #[getter]
+    fn mm_features(&self, py: Python<'_>) -> Py<PyAny> {
+        bind_or_none(py, self.mm_features.as_ref()).unbind()
+    }
+
+    #[setter]
+    fn set_mm_features(&mut self, value: &Bound<'_, PyAny>) {
+        self.mm_features = non_none(Some(value));
+    }
+
+    /// Prompt embeddings; ``BlockHasher`` refuses requests that have them.
+    #[getter]
+    fn prompt_embeds(&self, py: Python<'_>) -> Py<PyAny> {
+        bind_or_none(py, self.prompt_embeds.as_ref()).unbind()
+    }
+
+    #[setter]
+    fn set_prompt_embeds(&mut self, value: &Bound<'_, PyAny>) {
+        self.prompt_embeds = non_none(Some(value));
+    }
+
+    /// Prompt plus output tokens.
+    #[getter(num_tokens)]
+    fn num_tokens_py(&self) -> usize {
+        self.all_token_ids.len()
+    }
+
+    /// Prompt tokens.
+    #[getter]
+    fn num_prompt_tokens(&self) -> usize {
+        self.num_prompt_tokens
+    }
+
+    /// Output tokens appended so far.
+    #[getter]
+    fn num_output_tokens(&self) -> usize {
+        self.all_token_ids
+            .len()
+            .saturating_sub(self.num_prompt_tokens)
+    }
+
+    /// Tokens whose KV is computed (or loaded); managers read and write it.
+    #[getter(num_computed_tokens)]
+    fn num_computed_tokens_py(&self) -> i64 {
+        self.num_computed_tokens
+    }
+
+    #[setter]
+    fn set_num_computed_tokens(&mut self, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let count: i64 = value.extract()?;
+        if count < 0 {
+            return Err(to_py(&Error::Negative {
+                name: "num_computed_tokens",
+                value: count,
+            }));
+        }
+        self.num_computed_tokens = count;
+        Ok(())
+    }
+
+    /// The hasher keeping ``block_hashes`` current, if any.
+    #[getter]
+    fn block_hasher(&self, py: Python<'_>) -> Py<PyAny> {
+        bind_or_none(py, self.block_hasher.as_ref()).unbind()
+    }
+
+    /// Appends output tokens, then hashes the blocks they complete.
+    ///
+    /// Args:
+    ///     token_ids: One token id or several.
+    ///
+    /// Raises:
+    ///     TypeError: For a non-int token id, or from the hasher.
+    ///     ValueError: For a token id outside the int64 range, or from the hasher.
+    fn append_output_token_ids(
+        slf: &Bound<'_, Self>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let new_ids = if is_single_id(token_ids)? {
+            vec![token_id(token_ids)?]
+        } else {
+            into_vec(self::token_ids(token_ids)?)
+        };
+        slf.try_borrow_mut()?
+            .all_token_ids
+            .extend_from_slice(&new_ids);
+        Self::update_block_hashes(slf).or_else(|err| {
+            // All or nothing: take the tokens back out.
+            let mut request = slf.try_borrow_mut()?;
+            let keep = request.all_token_ids.len().saturating_sub(new_ids.len());
+            request.all_token_ids.truncate(keep);
+            Err(err)
+        })
+    }
+
+    /// Appends the hashes of full blocks not hashed yet (vLLM's method of that name).
+    ///
+    /// Raises:
+    ///     Exception: Whatever the hasher raises; ``block_hashes`` is then unchanged.
+    fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let Some(hasher) = slf
+            .try_borrow()?
+            .block_hasher
+            .as_ref()
+            .map(|h| h.clone_ref(py))
+        else {
+            return Ok(());
+        };
+        if let Ok(native) = hasher.bind(py).cast::<PyBlockHasher>() {
+            let native = native.get();
+            // Planning may read the extra-key attributes through Python, which may read
+            // this request: only a shared borrow is held meanwhile.
+            let plan = {
+                let request = slf.try_borrow()?;
+                native.plan(&request.hash_view(py))?
+            };
+            if let Some(plan) = plan {
+                let mut request = slf.try_borrow_mut()?;
+                let Self {
+                    all_token_ids,
+                    block_hashes,
+                    ..
+                } = &mut *request;
+                native.run(&plan, all_token_ids, block_hashes)?;
+            }
+            return Ok(());
+        }
+        // Any other callable gets the request itself, with no borrow held, and may
+        // read anything on it.
+        let result = hasher.bind(py).call1((slf,))?;
+        let new_hashes = result
+            .try_iter()?
+            .map(|h| block_hash(&h?))
+            .collect::<PyResult<Vec<BlockHash>>>()?;
+        slf.try_borrow_mut()?.block_hashes.extend(new_hashes);
+        Ok(())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Request(request_id={}, num_tokens={}, num_computed_tokens={}, num_block_hashes={})",
+            self.request_id_obj.bind(py).repr()?,
+            self.all_token_ids.len(),
+            self.num_computed_tokens,
+            self.block_hashes.len()
+        ))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for obj in [
+            &self.block_hasher,
+            &self.lora_request,
+            &self.cache_salt,
+            &self.mm_features,
+            &self.prompt_embeds,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            visit.call(obj)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.block_hasher = None;
+        self.lora_request = None;
+        self.cache_salt = None;
+        self.mm_features = None;
+        self.prompt_embeds = None;
     }
 }

@@ -1,0 +1,1151 @@
+//! `BlockHasher` for Python: argument conversion around
+//! `kvblocks_core::hashing::BlockHasher`, and vLLM's request hasher (`__call__`), which
+//! reads a request's LoRA adapter, multimodal items and cache salt for extra keys.
+//!
+//! Pickle memoizes `str`, `bytes` and tuple objects by identity, so the conversion of
+//! extra keys into core [`Value`]s tags those nodes with the identity of the Python
+//! object they came from ([`Identities`]): the core then writes memo references exactly
+//! where CPython's pickler would.
+//!
+//! Speed: token ids of exact lists and tuples are read with no reference counting, a
+//! native `Request` is hashed from its `Vec` with no Python call per block, and a long
+//! list given to `hash_blocks` is hashed on a worker thread while it is still being
+//! converted (converting costs about as much as hashing; see [`hash_list_pipelined`]).
+
+// The `///` comments of the Python-visible items are the reference's docstrings, copied
+// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
+// markdown, so the markdown lint does not apply to them.
+#![allow(clippy::doc_markdown)]
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvblocks_core::hashing::{
+    mm_features_in_block, py_repr, resolve_seed, too_deep_error, BlockHasher as CoreHasher,
+    HashAlgo, MmCursor, MmPosition, ObjectId, Tuple, Value, MAX_DEPTH,
+};
+use kvblocks_core::{BlockHash, Error};
+use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PySlice, PyString, PyTuple};
+use pyo3::{ffi, intern};
+
+use crate::convert::{int_column, IntColumn};
+use crate::errors::{to_py, IntoPyResult};
+use crate::request::PyRequest;
+
+/// An argument whose default is not `None`: absent, or exactly the object passed (so
+/// that an explicit `None` is told apart from the default).
+pub enum Given<'py> {
+    /// The caller did not pass the argument.
+    Absent,
+    /// The object the caller passed.
+    Is(Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self::Is(obj.to_owned()))
+    }
+}
+
+/// `type(obj).__name__`, for error messages.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+}
+
+// ----------------------------------------------------------------------------- token ids
+
+/// One token id, as the reference's `check_token_ids` takes it: `operator.index`, then
+/// the signed 64-bit range.
+pub fn token_id(item: &Bound<'_, PyAny>) -> PyResult<i64> {
+    item.extract::<i64>().or_else(|err| {
+        if !err.is_instance_of::<PyOverflowError>(item.py()) {
+            return Err(err);
+        }
+        // An integer beyond 64 bits: the message names its value.
+        let index = item.py().import("operator")?.getattr("index")?;
+        let value = index.call1((item,))?;
+        Err(PyValueError::new_err(format!(
+            "token id {value} does not fit in a signed 64-bit integer"
+        )))
+    })
+}
+
+/// Token ids from a list, tuple, integer buffer (NumPy array) or any iterable, with the
+/// reference's errors: the first bad id decides, `operator.index`'s `TypeError` for a
+/// non-integer and `token id {x} does not fit in a signed 64-bit integer` past 64 bits.
+pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
+    if let Ok(list) = obj.cast_exact::<PyList>() {
+        return list_token_ids(list).map(IntColumn::Owned);
+    }
+    if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        return tuple_token_ids(tuple).map(IntColumn::Owned);
+    }
+    if is_signed_buffer(obj) {
+        // `int_column` reports a too-large id (possible in an object array) as PyO3's
+        // `OverflowError`; an array can be read again, so read it once more to name the
+        // first offending id.
+        return int_column(obj).or_else(|err| {
+            if err.is_instance_of::<PyOverflowError>(obj.py()) {
+                for item in obj.try_iter()? {
+                    token_id(&item?)?;
+                }
+            }
+            Err(err)
+        });
+    }
+    // Other iterables may be one-shot (generators): convert as they are read.
+    obj.try_iter()?
+        .map(|item| token_id(&item?))
+        .collect::<PyResult<Vec<i64>>>()
+        .map(IntColumn::Owned)
+}
+
+/// The token ids of an exact `list`: the hot path of a long prompt.
+fn list_token_ids(list: &Bound<'_, PyList>) -> PyResult<Vec<i64>> {
+    list_token_range(list, 0, usize::MAX)
+}
+
+/// The token ids of up to `max_items` items of an exact `list` from index `start` (fewer
+/// at the end of the list). Exact `int` items are read through borrowed references with
+/// no reference counting (reading an exact int runs no Python code, so nothing can
+/// change the list meanwhile); anything else takes [`token_id`] with a strong
+/// reference, after which the length is read again, as a Python `for` loop does.
+fn list_token_range(
+    list: &Bound<'_, PyList>,
+    start: usize,
+    max_items: usize,
+) -> PyResult<Vec<i64>> {
+    let py = list.py();
+    let end = |len: usize| len.min(start.saturating_add(max_items));
+    let mut stop = end(list.len());
+    let mut out = Vec::with_capacity(stop.saturating_sub(start));
+    let mut i = start;
+    while i < stop {
+        let index = isize::try_from(i).unwrap_or(isize::MAX);
+        // SAFETY: we hold the GIL and a reference to the list; `index < len(list)` (the
+        // length is re-read whenever Python code may have run), so the result is a
+        // borrowed reference to a live item, or null with an IndexError set.
+        let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), index) };
+        // SAFETY: `item` is null or a valid borrowed reference, and we hold the GIL.
+        if let Some(value) = unsafe { exact_int(py, item) } {
+            out.push(value?);
+        } else {
+            // SAFETY: as above; `from_borrowed_ptr_or_err` takes a strong reference (or
+            // fetches the error of a null result).
+            let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
+            out.push(token_id(&item)?);
+            stop = end(list.len());
+        }
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// The token ids of an exact `tuple`, read like [`list_token_ids`] (a tuple cannot
+/// change, so its length is read once).
+fn tuple_token_ids(tuple: &Bound<'_, PyTuple>) -> PyResult<Vec<i64>> {
+    let py = tuple.py();
+    let len = tuple.len();
+    let mut out = Vec::with_capacity(len);
+    for i in 0..len {
+        let index = isize::try_from(i).unwrap_or(isize::MAX);
+        // SAFETY: as in `list_token_range`; a tuple's items live as long as the tuple.
+        let item = unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), index) };
+        // SAFETY: `item` is null or a valid borrowed reference, and we hold the GIL.
+        if let Some(value) = unsafe { exact_int(py, item) } {
+            out.push(value?);
+        } else {
+            // SAFETY: as in `list_token_range`.
+            let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
+            out.push(token_id(&item)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The value of `item` if it is an exact `int` (`Some(Err)` past 64 bits, with the
+/// reference's message); `None` for anything else, including a null pointer.
+///
+/// # Safety
+/// `item` is null or a valid (borrowed) object pointer, and the GIL is held.
+unsafe fn exact_int(py: Python<'_>, item: *mut ffi::PyObject) -> Option<PyResult<i64>> {
+    // SAFETY: the caller guarantees a valid pointer when non-null.
+    if item.is_null() || unsafe { ffi::PyLong_CheckExact(item) } == 0 {
+        return None;
+    }
+    // SAFETY: `item` is an exact int: this reads its value and runs no Python code.
+    let value = unsafe { ffi::PyLong_AsLongLong(item) };
+    // SAFETY: GIL held.
+    if value == -1 && !unsafe { ffi::PyErr_Occurred() }.is_null() {
+        // SAFETY: GIL held; the error is an OverflowError, replaced by the reference's.
+        unsafe { ffi::PyErr_Clear() };
+        // SAFETY: `item` is valid; `from_borrowed_ptr` takes a strong reference.
+        let item = unsafe { Bound::from_borrowed_ptr(py, item) };
+        return Some(token_id(&item));
+    }
+    Some(Ok(value))
+}
+
+/// Whether `obj` exports a buffer `int_column` can read exactly. Unsigned 64-bit items
+/// are left to iteration: `int_column` saturates values above `i64::MAX`, which must be
+/// reported as out of range instead.
+fn is_signed_buffer(obj: &Bound<'_, PyAny>) -> bool {
+    let Ok(view) = PyMemoryView::from(obj) else {
+        return false;
+    };
+    let format = view
+        .getattr(intern!(obj.py(), "format"))
+        .and_then(|f| f.extract::<String>());
+    let itemsize = view
+        .getattr(intern!(obj.py(), "itemsize"))
+        .and_then(|s| s.extract::<usize>());
+    match (format, itemsize) {
+        (Ok(format), Ok(itemsize)) => {
+            let code = format.trim_start_matches(['@', '=', '<', '>', '!']);
+            !(itemsize == 8 && matches!(code, "Q" | "L" | "N"))
+        }
+        _ => false,
+    }
+}
+
+/// A column of token ids as an owned `Vec`.
+pub fn into_vec(column: IntColumn) -> Vec<i64> {
+    match column {
+        IntColumn::Owned(v) => v,
+        IntColumn::Borrowed(_) => column.to_vec(),
+    }
+}
+
+// ----------------------------------------------------------------------------- extra keys
+
+/// Object identities inside one hashing call: the tag of every `str`, `bytes` and tuple
+/// node is the identity of its Python object, so that the core's pickler memoizes
+/// exactly the objects CPython's would. Every tagged object must stay alive for the
+/// whole call (addresses are only unique among live objects): they are held by the
+/// caller's arguments, or by the handles the request hasher keeps.
+pub struct Identities {
+    tags: HashMap<usize, ObjectId>,
+    next: u32,
+}
+
+impl Identities {
+    /// Identities where `parent` (if given) is the object pickled as the first block's
+    /// parent, with its reserved tag ([`ObjectId::PARENT`] or [`ObjectId::NONE_HASH`]).
+    fn new(parent: Option<(&Bound<'_, PyAny>, ObjectId)>) -> Self {
+        let mut tags = HashMap::new();
+        if let Some((obj, id)) = parent {
+            tags.insert(obj.as_ptr().addr(), id);
+        }
+        Self { tags, next: 0 }
+    }
+
+    /// The tag of `obj`'s identity. Past four billion distinct objects (unreachable in
+    /// practice) nodes go untagged, which only loses memo references.
+    fn tag(&mut self, obj: &Bound<'_, PyAny>) -> Option<ObjectId> {
+        match self.tags.entry(obj.as_ptr().addr()) {
+            Entry::Occupied(e) => Some(*e.get()),
+            Entry::Vacant(e) => {
+                let id = ObjectId(self.next);
+                if id >= ObjectId::NONE_HASH {
+                    return None;
+                }
+                self.next += 1;
+                Some(*e.insert(id))
+            }
+        }
+    }
+}
+
+/// Converts an extra key nested inside `enclosing` tuples, checking it as the
+/// reference's `check_extra_keys` does, depth first: exact types only, tuples at most
+/// [`MAX_DEPTH`] deep, strings without lone surrogates.
+fn extra_key(obj: &Bound<'_, PyAny>, ids: &mut Identities, enclosing: usize) -> PyResult<Value> {
+    if obj.is_none() {
+        return Ok(Value::None);
+    }
+    if obj.is_exact_instance_of::<PyInt>() {
+        return int_key(obj);
+    }
+    if let Ok(b) = obj.cast_exact::<PyBytes>() {
+        return Ok(Value::Bytes(b.as_bytes().into(), ids.tag(obj)));
+    }
+    if let Ok(s) = obj.cast_exact::<PyString>() {
+        // Raises UnicodeEncodeError for lone surrogates, as `str.encode` does.
+        return Ok(Value::Str(s.to_str()?.into(), ids.tag(obj)));
+    }
+    if let Ok(t) = obj.cast_exact::<PyTuple>() {
+        // Checked on the way down, so recursion never goes deeper than MAX_DEPTH.
+        if enclosing + 1 > MAX_DEPTH {
+            return Err(to_py(&too_deep_error()));
+        }
+        let items = t
+            .iter()
+            .map(|item| extra_key(&item, ids, enclosing + 1))
+            .collect::<PyResult<Vec<Value>>>()?;
+        return Tuple::new(items, ids.tag(obj)).map(Value::Tuple).py();
+    }
+    Err(PyTypeError::new_err(format!(
+        "unsupported extra key type {}; extra keys are nested tuples of str, int, bytes and None",
+        py_repr(&type_name(obj))
+    )))
+}
+
+/// An exact `int` of any size.
+fn int_key(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
+    match obj.extract::<i64>() {
+        Ok(n) => Ok(Value::Int(n)),
+        Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => {
+            // Beyond i64: `n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)`.
+            let py = obj.py();
+            let bits: usize = obj.call_method0(intern!(py, "bit_length"))?.extract()?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(intern!(py, "signed"), true)?;
+            let le = obj.call_method(
+                intern!(py, "to_bytes"),
+                (bits / 8 + 1, intern!(py, "little")),
+                Some(&kwargs),
+            )?;
+            Ok(Value::int_from_le_bytes(le.cast::<PyBytes>()?.as_bytes()))
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// `parent` as the reference's `_check_parent` takes it: `None` or exact `bytes`.
+fn parent_arg<'a, 'py>(parent: &'a Bound<'py, PyAny>) -> PyResult<Option<&'a Bound<'py, PyBytes>>> {
+    if parent.is_none() {
+        return Ok(None);
+    }
+    parent.cast_exact::<PyBytes>().map(Some).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "parent hash must be bytes or None, got {}",
+            type_name(parent)
+        ))
+    })
+}
+
+// ----------------------------------------------------------------------------- requests
+
+/// The attributes of a request that its extra keys come from (Python `None` when a
+/// duck-typed request lacks one).
+pub struct RequestAttrs<'py> {
+    /// `lora_request`: `("lora", lora_name, lora_path)` on every block when truthy.
+    pub lora_request: Bound<'py, PyAny>,
+    /// `cache_salt`: `("cache_salt", salt)` on the block starting at token 0 when truthy.
+    pub cache_salt: Bound<'py, PyAny>,
+    /// `mm_features`: `("mm", identifier, offset - block start)` per overlapping item.
+    pub mm_features: Bound<'py, PyAny>,
+    /// `prompt_embeds`: requests that have them are refused.
+    pub prompt_embeds: Bound<'py, PyAny>,
+}
+
+/// A native request's state, as the hasher reads it.
+pub struct NativeRequest<'a, 'py> {
+    /// Prompt and output token ids.
+    pub tokens: &'a [i64],
+    /// The hashes of the blocks hashed so far.
+    pub hashes: &'a [BlockHash],
+    /// Where the extra keys come from.
+    pub attrs: RequestAttrs<'py>,
+}
+
+/// The new blocks of a request and their extra keys, gathered (which may run Python
+/// code: attribute reads) before anything is hashed.
+pub struct RequestPlan {
+    /// Token range of the new full blocks in `all_token_ids`.
+    start: usize,
+    end: usize,
+    /// The last known hash, if any (else the chain starts at `none_hash`).
+    parent: Option<BlockHash>,
+    /// One entry per new block, or `None` when no block has extra keys.
+    keys: Option<Vec<Option<Value>>>,
+}
+
+/// A multimodal item visited by the walk, with its identifier read on first use.
+struct MmItem<'py> {
+    feature: Bound<'py, PyAny>,
+    identifier: Option<(Bound<'py, PyAny>, Value)>,
+}
+
+fn embeds_error() -> PyErr {
+    PyTypeError::new_err(
+        "requests with prompt_embeds are not supported: kvblocks hashes token ids only",
+    )
+}
+
+/// `(tag, item)` with the tag literal as the interned `str` object vLLM's code uses, so
+/// an identical interned string elsewhere in the key is the same object, as in CPython.
+fn tagged_pair(
+    tag: &Bound<'_, PyString>,
+    ids: &mut Identities,
+    items: Vec<Value>,
+) -> PyResult<Value> {
+    let mut all = Vec::with_capacity(items.len() + 1);
+    all.push(Value::Str(tag.to_str()?.into(), ids.tag(tag.as_any())));
+    all.extend(items);
+    Tuple::new(all, None).map(Value::Tuple).py()
+}
+
+/// vLLM 0.33.0's `generate_block_hash_extra_keys` for `num_blocks` blocks of
+/// `block_size` tokens from token `start`: LoRA, then multimodal items, then the cache
+/// salt on the block starting at token 0. `None` when no block has any key.
+fn request_extra_keys(
+    attrs: &RequestAttrs<'_>,
+    start: usize,
+    num_blocks: usize,
+    block_size: usize,
+    ids: &mut Identities,
+) -> PyResult<Option<Vec<Option<Value>>>> {
+    let py = attrs.lora_request.py();
+    if num_blocks == 0 {
+        return Ok(None);
+    }
+    // Read in the reference's order: multimodal items, cache salt, LoRA adapter.
+    let mut items = Vec::new();
+    let mut positions = Vec::new();
+    if attrs.mm_features.is_truthy()? {
+        for i in 0..attrs.mm_features.len()? {
+            let feature = attrs.mm_features.get_item(i)?;
+            let pos = feature.getattr(intern!(py, "mm_position"))?;
+            positions.push(MmPosition {
+                offset: pos.getattr(intern!(py, "offset"))?.extract()?,
+                length: pos.getattr(intern!(py, "length"))?.extract()?,
+            });
+            items.push(MmItem {
+                feature,
+                identifier: None,
+            });
+        }
+    }
+    let salt = (start == 0 && attrs.cache_salt.is_truthy()?).then_some(&attrs.cache_salt);
+    let lora = if attrs.lora_request.is_truthy()? {
+        let name = attrs.lora_request.getattr(intern!(py, "lora_name"))?;
+        let path = attrs.lora_request.getattr(intern!(py, "lora_path"))?;
+        Some((name, path))
+    } else {
+        None
+    };
+    if positions.is_empty() && salt.is_none() && lora.is_none() {
+        return Ok(None);
+    }
+
+    // Converted in the order the reference checks each block's keys (LoRA, multimodal,
+    // salt); the key tuples themselves are fresh objects per block, hence untagged.
+    // Keys sit inside the block's tuple and their own, hence `enclosing` 2.
+    let lora = match &lora {
+        Some((name, path)) => {
+            let items = vec![extra_key(name, ids, 2)?, extra_key(path, ids, 2)?];
+            Some(tagged_pair(intern!(py, "lora"), ids, items)?)
+        }
+        None => None,
+    };
+    let mut keys = Vec::with_capacity(num_blocks);
+    let mut cursor = if start == 0 {
+        MmCursor::At(0)
+    } else {
+        // Past block 0 only the last item can still overlap (vLLM's -1).
+        MmCursor::Last
+    };
+    let mut hits = Vec::new();
+    for block in 0..num_blocks {
+        let block_start = start + block * block_size;
+        hits.clear();
+        cursor = mm_features_in_block(
+            &positions,
+            to_i64(block_start),
+            to_i64(block_start + block_size),
+            cursor,
+            &mut hits,
+        );
+        let mut block_keys: Vec<Value> = lora.iter().cloned().collect();
+        for &(index, offset) in &hits {
+            let Some(item) = items.get_mut(index) else {
+                continue;
+            };
+            let identifier = if let Some((_, value)) = &item.identifier {
+                value.clone()
+            } else {
+                let obj = item.feature.getattr(intern!(py, "identifier"))?;
+                let value = extra_key(&obj, ids, 2)?;
+                item.identifier = Some((obj, value.clone()));
+                value
+            };
+            let key = tagged_pair(intern!(py, "mm"), ids, vec![identifier, Value::Int(offset)])?;
+            block_keys.push(key);
+        }
+        if let (0, Some(salt)) = (block_start, salt) {
+            let salt = extra_key(salt, ids, 2)?;
+            block_keys.push(tagged_pair(intern!(py, "cache_salt"), ids, vec![salt])?);
+        }
+        keys.push(if block_keys.is_empty() {
+            None
+        } else {
+            Some(Tuple::new(block_keys, None).map(Value::Tuple).py()?)
+        });
+    }
+    Ok(Some(keys))
+}
+
+/// Token positions are below `isize::MAX`, so they fit in an `i64`.
+fn to_i64(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+// ----------------------------------------------------------------------------- the class
+
+/// Computes vLLM block hashes for one algorithm, block size and seed.
+///
+/// Also vLLM's per-request ``block_hasher``: calling it on a request returns the hashes
+/// of the request's full blocks that ``request.block_hashes`` does not hold yet.
+#[pyclass(module = "kvblocks._native", name = "BlockHasher", frozen)]
+pub struct PyBlockHasher {
+    inner: CoreHasher,
+    /// `none_hash` as one `bytes` object, so that the object callers see is the one that
+    /// extra keys can refer to ([`ObjectId::NONE_HASH`]).
+    none_hash: Py<PyBytes>,
+}
+
+impl PyBlockHasher {
+    /// Identities for hashing blocks whose first parent is `parent` (`None` or empty:
+    /// the hasher's `none_hash` object).
+    fn identities(&self, py: Python<'_>, parent: Option<&Bound<'_, PyBytes>>) -> Identities {
+        match parent {
+            Some(p) if !p.as_bytes().is_empty() => {
+                Identities::new(Some((p.as_any(), ObjectId::PARENT)))
+            }
+            _ => Identities::new(Some((
+                self.none_hash.bind(py).as_any(),
+                ObjectId::NONE_HASH,
+            ))),
+        }
+    }
+
+    /// The new blocks of a native request (`None`: nothing to hash). Reads only the
+    /// request's extra-key attributes through Python.
+    ///
+    /// # Errors
+    /// `TypeError` for `prompt_embeds`, and whatever reading or checking the extra keys
+    /// raises.
+    pub fn plan(&self, request: &NativeRequest<'_, '_>) -> PyResult<Option<RequestPlan>> {
+        let py = request.attrs.prompt_embeds.py();
+        if !request.attrs.prompt_embeds.is_none() {
+            return Err(embeds_error());
+        }
+        let block_size = self.inner.block_size();
+        let start = request.hashes.len().saturating_mul(block_size);
+        let num_tokens = request.tokens.len();
+        if start.saturating_add(block_size) > num_tokens {
+            return Ok(None);
+        }
+        let num_blocks = (num_tokens - start) / block_size;
+        let parent = request
+            .hashes
+            .last()
+            .copied()
+            .filter(|h| !h.as_bytes().is_empty());
+        let mut ids = if parent.is_some() {
+            // The parent is a Rust value: no Python object can be it.
+            Identities::new(None)
+        } else {
+            self.identities(py, None)
+        };
+        let keys = request_extra_keys(&request.attrs, start, num_blocks, block_size, &mut ids)?;
+        Ok(Some(RequestPlan {
+            start,
+            end: start + num_blocks * block_size,
+            parent,
+            keys,
+        }))
+    }
+
+    /// Appends the hashes of a plan's blocks of `tokens` (the request's token ids) to
+    /// `out`, continuing the chain from the plan's parent. No Python code runs.
+    ///
+    /// # Errors
+    /// `IndexError` when `tokens` is shorter than at planning time.
+    pub fn run(
+        &self,
+        plan: &RequestPlan,
+        tokens: &[i64],
+        out: &mut Vec<BlockHash>,
+    ) -> PyResult<()> {
+        let block = tokens
+            .get(plan.start..plan.end)
+            .ok_or_else(|| PyIndexError::new_err("the request's tokens changed while hashing"))?;
+        let parent = plan.parent.as_ref().map(BlockHash::as_bytes);
+        self.inner
+            .extend_hashes(out, block, parent, plan.keys.as_deref())
+            .py()
+    }
+
+    /// `__call__` for a duck-typed request, step for step as the reference reads it.
+    fn duck_request_hashes(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+        let py = request.py();
+        if !attr_or_none(request, intern!(py, "prompt_embeds"))?.is_none() {
+            return Err(embeds_error());
+        }
+        let block_size = self.inner.block_size();
+        let known = request.getattr(intern!(py, "block_hashes"))?;
+        let num_known = known.len()?;
+        let start = num_known.saturating_mul(block_size);
+        let num_tokens: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+        let Some(available) = usize::try_from(num_tokens)
+            .ok()
+            .and_then(|n| n.checked_sub(start))
+            .filter(|&n| n >= block_size)
+        else {
+            return Ok(Vec::new());
+        };
+        let last = if num_known > 0 {
+            Some(known.get_item(-1)?)
+        } else {
+            None
+        };
+        let parent = match &last {
+            Some(obj) => parent_arg(obj)?,
+            None => None,
+        };
+        let num_blocks = available / block_size;
+        let end = start + num_blocks * block_size;
+        let slice = PySlice::new(
+            py,
+            isize::try_from(start).unwrap_or(isize::MAX),
+            isize::try_from(end).unwrap_or(isize::MAX),
+            1,
+        );
+        let tokens = token_ids(
+            &request
+                .getattr(intern!(py, "all_token_ids"))?
+                .get_item(slice)?,
+        )?;
+
+        let attrs = RequestAttrs {
+            lora_request: attr_or_none(request, intern!(py, "lora_request"))?,
+            cache_salt: attr_or_none(request, intern!(py, "cache_salt"))?,
+            mm_features: attr_or_none(request, intern!(py, "mm_features"))?,
+            prompt_embeds: py.None().into_bound(py),
+        };
+        let mut ids = self.identities(py, parent);
+        let keys = request_extra_keys(&attrs, start, num_blocks, block_size, &mut ids)?;
+        // A sequence whose slice is short hashes the blocks it has, as the reference does.
+        let hashed = (tokens.len() / block_size).min(num_blocks);
+        let keys = keys.map(|mut k| {
+            k.truncate(hashed);
+            k
+        });
+        let tokens = tokens.get(..hashed * block_size).unwrap_or_default();
+        self.inner
+            .hash_blocks(
+                tokens,
+                parent.map(PyBytesMethods::as_bytes),
+                keys.as_deref(),
+            )
+            .py()
+    }
+}
+
+/// `getattr(obj, name, None)`.
+fn attr_or_none<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    Ok(obj
+        .getattr_opt(name)?
+        .unwrap_or_else(|| obj.py().None().into_bound(obj.py())))
+}
+
+/// Lists at least this long (and with no extra keys) are hashed while they are still
+/// being converted: converting a list costs about as much as hashing it, and the two
+/// overlap on two cores. Below it a worker thread costs more than it saves.
+const PIPELINE_MIN_TOKENS: usize = 1 << 14;
+
+/// Tokens per chunk handed from the converting thread to the hashing one (rounded down
+/// to whole blocks): small enough that little hashing is left once the conversion
+/// ends, large enough that the hand-overs cost nothing noticeable.
+const PIPELINE_CHUNK_TOKENS: usize = 1 << 13;
+
+/// How long either side of the pipeline polls for the other's next message (yielding
+/// the CPU between polls) before it sleeps or, for the converting thread, takes over.
+/// Messages come every few tens of microseconds, and waking a sleeping thread costs
+/// about as much (more in a virtual machine); yielding rather than spinning keeps a
+/// busy machine's other work going.
+const PIPELINE_POLL: Duration = Duration::from_micros(200);
+
+/// Per token of a chunk, how long the converting thread waits for the chunk's hashes
+/// before it concludes that the worker lost its CPU: over twice what SHA-256 takes.
+const PIPELINE_NANOS_PER_TOKEN: u64 = 20;
+
+/// What the two sides of the pipeline tell each other outside the channels.
+#[derive(Default)]
+struct PipelineFlags {
+    /// Set by the worker once it runs.
+    started: AtomicBool,
+    /// Set by the calling thread when it hashes the rest itself: the worker stops.
+    abandoned: AtomicBool,
+}
+
+/// `hash_blocks` of a long exact list without extra keys, as `bytes`: this thread
+/// (which holds the GIL) converts the list chunk by chunk while a worker thread, which
+/// never touches Python, hashes the chunks converted so far and sends each chunk's
+/// hashes back, to be turned into `bytes` here once the conversion is done.
+///
+/// Every chunk is kept here too: when the worker cannot do its part (it could not be
+/// started, has not started by the end of the conversion, or stalls because the
+/// machine is busy), this thread hashes the remaining chunks itself, continuing the
+/// chain from the last hash received. The result never depends on the worker.
+fn hash_list_pipelined<'py>(
+    inner: &CoreHasher,
+    list: &Bound<'py, PyList>,
+    parent: Option<&[u8]>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let py = list.py();
+    let block_size = inner.block_size();
+    let chunk_len = (PIPELINE_CHUNK_TOKENS / block_size).max(1) * block_size;
+    let (chunk_sender, chunk_receiver) = mpsc::channel::<Arc<Vec<i64>>>();
+    let (hash_sender, hash_receiver) = mpsc::channel::<kvblocks_core::Result<Vec<BlockHash>>>();
+    let flags = Arc::new(PipelineFlags::default());
+    // Detached (the worker owns what it uses), so that this thread never waits for a
+    // worker that did not get a CPU.
+    let spawned = {
+        let inner = inner.clone();
+        let parent = parent.map(<[u8]>::to_vec);
+        let flags = Arc::clone(&flags);
+        thread::Builder::new().spawn(move || {
+            flags.started.store(true, Ordering::Release);
+            hash_chunks(
+                &inner,
+                parent.as_deref(),
+                &chunk_receiver,
+                &hash_sender,
+                &flags,
+            );
+        })
+    };
+    let mut to_worker = spawned.ok().map(|_| chunk_sender);
+    let mut chunks: Vec<Arc<Vec<i64>>> = Vec::new();
+    let mut start = 0;
+    loop {
+        let tokens = match list_token_range(list, start, chunk_len) {
+            Ok(tokens) if tokens.is_empty() => break,
+            Ok(tokens) => Arc::new(tokens),
+            Err(err) => {
+                flags.abandoned.store(true, Ordering::Release);
+                return Err(err);
+            }
+        };
+        start += tokens.len();
+        if let Some(sender) = &to_worker {
+            if sender.send(Arc::clone(&tokens)).is_err() {
+                to_worker = None;
+            }
+        }
+        chunks.push(tokens);
+    }
+
+    let mut out = Vec::with_capacity(start / block_size);
+    let mut chain = Chain::default();
+    let mut done = 0;
+    // Closing the channel ends the worker's loop once it has hashed every chunk.
+    if to_worker.take().is_some() && flags.started.load(Ordering::Acquire) {
+        let patience = Duration::from_nanos(
+            u64::try_from(chunk_len)
+                .unwrap_or(u64::MAX)
+                .saturating_mul(PIPELINE_NANOS_PER_TOKEN),
+        )
+        .max(PIPELINE_POLL);
+        while done < chunks.len() {
+            match recv_within(&hash_receiver, patience) {
+                Some(Ok(hashes)) => {
+                    chain.last = hashes.last().copied().or(chain.last);
+                    out.extend(hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())));
+                    done += 1;
+                }
+                Some(Err(err)) => return Err(to_py(&err)),
+                // Stalled or gone: take over.
+                None => break,
+            }
+        }
+    }
+    flags.abandoned.store(true, Ordering::Release);
+    // After whole chunks the chain's state is its last hash, unless a chunk was cut
+    // short (the list changed length while it was read): then start over.
+    let consumed: usize = chunks.iter().take(done).map(|c| c.len()).sum();
+    if consumed % block_size != 0 {
+        (out, chain, done) = (Vec::new(), Chain::default(), 0);
+    }
+    for tokens in chunks.iter().skip(done) {
+        let hashes = chain.push(inner, parent, tokens).py()?;
+        out.extend(hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())));
+    }
+    Ok(out)
+}
+
+/// A hash chain fed chunk by chunk of tokens: a partial block and the last hash carry
+/// over to the next chunk.
+#[derive(Default)]
+struct Chain {
+    last: Option<BlockHash>,
+    pending: Vec<i64>,
+}
+
+impl Chain {
+    /// The hashes of the blocks `tokens` completes, chained after the previous chunks'
+    /// (the first block after `parent`).
+    fn push(
+        &mut self,
+        inner: &CoreHasher,
+        parent: Option<&[u8]>,
+        tokens: &[i64],
+    ) -> kvblocks_core::Result<Vec<BlockHash>> {
+        let joined;
+        let tokens = if self.pending.is_empty() {
+            tokens
+        } else {
+            self.pending.extend_from_slice(tokens);
+            joined = std::mem::take(&mut self.pending);
+            &joined
+        };
+        let (blocks, rest) =
+            tokens.split_at(tokens.len() / inner.block_size() * inner.block_size());
+        let parent = self.last.as_ref().map_or(parent, |h| Some(h.as_bytes()));
+        let mut hashes = Vec::new();
+        inner.extend_hashes(&mut hashes, blocks, parent, None)?;
+        self.last = hashes.last().copied().or(self.last);
+        self.pending.extend_from_slice(rest);
+        Ok(hashes)
+    }
+}
+
+/// The worker of [`hash_list_pipelined`]: hashes the chunks it receives as one chain
+/// and sends each chunk's hashes back, until the channel closes, the calling thread
+/// abandons it, or hashing fails.
+fn hash_chunks(
+    inner: &CoreHasher,
+    parent: Option<&[u8]>,
+    chunks: &mpsc::Receiver<Arc<Vec<i64>>>,
+    out: &mpsc::Sender<kvblocks_core::Result<Vec<BlockHash>>>,
+    flags: &PipelineFlags,
+) {
+    let mut chain = Chain::default();
+    loop {
+        // Chunks come every few tens of microseconds: poll, then sleep.
+        let tokens = match recv_within(chunks, PIPELINE_POLL) {
+            Some(tokens) => tokens,
+            None => match chunks.recv() {
+                Ok(tokens) => tokens,
+                Err(_) => return,
+            },
+        };
+        if flags.abandoned.load(Ordering::Acquire) {
+            return;
+        }
+        let result = chain.push(inner, parent, &tokens);
+        let failed = result.is_err();
+        if out.send(result).is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// The next message of `receiver` if one comes within `patience` (polling, and
+/// yielding the CPU between polls); `None` on timeout or once the channel is closed and
+/// empty.
+fn recv_within<T>(receiver: &mpsc::Receiver<T>, patience: Duration) -> Option<T> {
+    let since = Instant::now();
+    loop {
+        match receiver.try_recv() {
+            Ok(message) => return Some(message),
+            Err(mpsc::TryRecvError::Empty) if since.elapsed() < patience => {
+                thread::yield_now();
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Hashes as a list of `bytes`.
+fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())))
+}
+
+#[pymethods]
+impl PyBlockHasher {
+    #[new]
+    #[pyo3(
+        signature = (block_size, algo = Given::Absent, seed = None),
+        text_signature = "(block_size, algo='sha256', seed=None)"
+    )]
+    fn new(
+        py: Python<'_>,
+        block_size: &Bound<'_, PyAny>,
+        algo: Given<'_>,
+        seed: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let block_size: i64 = block_size.extract()?;
+        if block_size <= 0 {
+            return Err(to_py(&Error::NonPositive {
+                name: "block_size",
+                value: block_size,
+            }));
+        }
+        let algo = match algo {
+            Given::Absent => HashAlgo::Sha256,
+            Given::Is(obj) => match obj.cast::<PyString>().map(|s| s.to_str()) {
+                Ok(Ok(name)) => HashAlgo::from_name(name).py()?,
+                // Not a (valid) string: `HashAlgo::from_name`'s message, quoting the
+                // object's repr().
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "unknown hash algorithm {}; expected one of 'sha256', 'sha256_cbor', \
+                         'xxhash', 'xxhash_cbor'",
+                        obj.repr()?
+                    )))
+                }
+            },
+        };
+        let explicit = match seed {
+            Some(s) if !s.is_none() => {
+                let s = s.cast::<PyString>().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "seed must be a str or None, got {}",
+                        type_name(s)
+                    ))
+                })?;
+                Some(s.to_str()?.to_owned())
+            }
+            _ => None,
+        };
+        // Read through os.environ, as the reference does, so that changes made from
+        // Python (monkeypatch.setenv) are seen.
+        let env: Option<String> = if explicit.is_none() {
+            py.import("os")?
+                .getattr("environ")?
+                .call_method1("get", ("PYTHONHASHSEED",))?
+                .extract()?
+        } else {
+            None
+        };
+        let seed = resolve_seed(explicit.as_deref(), env.as_deref(), algo).py()?;
+        let inner = CoreHasher::new(block_size, algo, &seed).py()?;
+        let none_hash = PyBytes::new(py, inner.none_hash().as_bytes()).unbind();
+        Ok(Self { inner, none_hash })
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    /// The hash algorithm's name.
+    #[getter]
+    fn algo(&self) -> &'static str {
+        self.inner.algo().name()
+    }
+
+    /// The resolved seed string.
+    #[getter]
+    fn seed(&self) -> &str {
+        self.inner.seed()
+    }
+
+    /// ``hash(seed)``: the parent of every first block.
+    #[getter]
+    fn none_hash(&self, py: Python<'_>) -> Py<PyBytes> {
+        self.none_hash.clone_ref(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockHasher(block_size={}, algo={}, seed={})",
+            self.inner.block_size(),
+            py_repr(self.inner.algo().name()),
+            py_repr(self.inner.seed())
+        )
+    }
+
+    /// ``hash((parent or none_hash, tuple(token_ids), extra_keys))``.
+    ///
+    /// Any number of tokens is hashed, as vLLM's ``hash_block_tokens`` does.
+    ///
+    /// Args:
+    ///     parent: The previous block's hash; ``None`` or ``b""`` for a first block.
+    ///     token_ids: The block's token ids.
+    ///     extra_keys: ``None`` or the block's extra keys.
+    ///
+    /// Returns:
+    ///     The block hash.
+    ///
+    /// Raises:
+    ///     TypeError: For a bad parent, token id or extra key type.
+    ///     ValueError: For a token id outside the int64 range or too-deep extra keys.
+    #[pyo3(signature = (parent, token_ids, extra_keys = None))]
+    fn hash_block<'py>(
+        &self,
+        parent: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        extra_keys: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let py = parent.py();
+        let parent = parent_arg(parent)?;
+        let tokens = self::token_ids(token_ids)?;
+        let mut ids = self.identities(py, parent);
+        let extra = extra_keys.map(|k| extra_key(k, &mut ids, 0)).transpose()?;
+        let hash = self.inner.hash_block(
+            parent.map(PyBytesMethods::as_bytes),
+            &tokens,
+            extra.as_ref(),
+        );
+        Ok(PyBytes::new(py, hash.as_bytes()))
+    }
+
+    /// The hashes of the full blocks of ``token_ids``, chained from ``parent``.
+    ///
+    /// A partial last block is not hashed.
+    ///
+    /// Args:
+    ///     token_ids: The token ids, from the first block to hash.
+    ///     parent: The hash before the first block; ``None`` or ``b""`` for a chain
+    ///         start.
+    ///     extra_keys: ``None``, or a list (or tuple) with one entry per full block.
+    ///
+    /// Returns:
+    ///     One hash per full block.
+    ///
+    /// Raises:
+    ///     TypeError: For a bad parent, token id, ``extra_keys`` container or key type.
+    ///     ValueError: For a token id outside the int64 range, too-deep extra keys, or
+    ///         an ``extra_keys`` list of the wrong length.
+    #[pyo3(signature = (token_ids, parent = None, extra_keys = None))]
+    fn hash_blocks<'py>(
+        &self,
+        token_ids: &Bound<'py, PyAny>,
+        parent: Option<&Bound<'py, PyAny>>,
+        extra_keys: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = token_ids.py();
+        let no_keys = extra_keys.is_none_or(PyAnyMethods::is_none);
+        if let (Ok(list), true) = (token_ids.cast_exact::<PyList>(), no_keys) {
+            // Tokens are checked before the parent: only a valid parent takes this path.
+            let parent = match parent {
+                Some(p) => parent_arg(p).ok(),
+                None => Some(None),
+            };
+            if let (Some(parent), true) = (parent, list.len() >= PIPELINE_MIN_TOKENS) {
+                let parent = parent.map(PyBytesMethods::as_bytes);
+                return PyList::new(py, hash_list_pipelined(&self.inner, list, parent)?);
+            }
+        }
+        let tokens = self::token_ids(token_ids)?;
+        let parent = match parent {
+            Some(p) => parent_arg(p)?,
+            None => None,
+        };
+        let num_blocks = tokens.len() / self.inner.block_size();
+        let mut ids = self.identities(py, parent);
+        let keys = match extra_keys {
+            Some(keys) if !keys.is_none() => Some(block_keys(keys, num_blocks, &mut ids)?),
+            _ => None,
+        };
+        let hashes = self
+            .inner
+            .hash_blocks(
+                &tokens,
+                parent.map(PyBytesMethods::as_bytes),
+                keys.as_deref(),
+            )
+            .py()?;
+        hash_list(py, &hashes)
+    }
+
+    /// vLLM's ``block_hasher``: hashes of the request's new full blocks.
+    ///
+    /// Hashes every full block after the first ``len(request.block_hashes)`` ones,
+    /// chained from ``request.block_hashes[-1]``, with the extra keys vLLM 0.33.0
+    /// derives from the request (LoRA, multimodal items, cache salt).
+    ///
+    /// Args:
+    ///     request: Any object with ``all_token_ids``, ``num_tokens`` and
+    ///         ``block_hashes`` (and optionally the attributes listed on
+    ///         ``HashableRequest``).
+    ///
+    /// Returns:
+    ///     The new hashes, in block order, for the caller to append.
+    ///
+    /// Raises:
+    ///     TypeError: When the request has ``prompt_embeds`` (not supported), or for
+    ///         bad token ids or extra keys.
+    ///     ValueError: For token ids outside the int64 range or too-deep extra keys.
+    #[pyo3(name = "_call")]
+    fn call<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        let py = request.py();
+        let hashes = if let Ok(native) = request.cast::<PyRequest>() {
+            // A native request: its tokens are read in place.
+            let native = native.try_borrow()?;
+            let view = native.hash_view(py);
+            let mut out = Vec::new();
+            if let Some(plan) = self.plan(&view)? {
+                self.run(&plan, view.tokens, &mut out)?;
+            }
+            out
+        } else {
+            self.duck_request_hashes(request)?
+        };
+        hash_list(py, &hashes)
+    }
+
+    /// `__call__` is `_call` (PyO3 would make a `__call__` method the `tp_call` slot,
+    /// whose wrapper has CPython's generic docstring and `*args, **kwargs` signature).
+    /// Setting it as a class attribute points `tp_call` at it, so instances are callable
+    /// and `BlockHasher.__call__` has the reference's docstring and signature.
+    #[classattr]
+    #[pyo3(name = "__call__")]
+    fn call_method(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(py.get_type::<Self>().getattr("_call")?.unbind())
+    }
+}
+
+/// `hash_blocks`' `extra_keys`: a list or tuple with one entry per full block, each
+/// checked in order.
+fn block_keys(
+    keys: &Bound<'_, PyAny>,
+    num_blocks: usize,
+    ids: &mut Identities,
+) -> PyResult<Vec<Option<Value>>> {
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = keys.cast::<PyList>() {
+        list.iter().collect()
+    } else if let Ok(tuple) = keys.cast::<PyTuple>() {
+        tuple.iter().collect()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "extra_keys must be a list or tuple with one entry per full block, or None; got {}",
+            type_name(keys)
+        )));
+    };
+    if items.len() != num_blocks {
+        return Err(to_py(&Error::InvalidArgument(format!(
+            "extra_keys must have one entry per full block: got {} for {num_blocks} full blocks",
+            items.len()
+        ))));
+    }
+    items
+        .iter()
+        .map(|k| {
+            if k.is_none() {
+                Ok(None)
+            } else {
+                extra_key(k, ids, 0).map(Some)
+            }
+        })
+        .collect()
+}
