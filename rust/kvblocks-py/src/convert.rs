@@ -41,29 +41,74 @@ impl Deref for IntColumn {
 /// `TypeError` when an item is not an int, `OverflowError` when it does not fit in 64 bits.
 pub fn int_column(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list
-            .iter()
-            .map(|x| x.extract::<i64>())
-            .collect::<PyResult<_>>()
-            .map(IntColumn::Owned);
+        return sequence_ints(obj, list.len(), |i| {
+            // SAFETY: GIL held, `i < len(list)` (re-checked by the caller after any
+            // Python code ran); returns a borrowed item or null with IndexError set.
+            unsafe { ffi::PyList_GetItem(list.as_ptr(), i) }
+        })
+        .map(IntColumn::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple
-            .iter()
-            .map(|x| x.extract::<i64>())
-            .collect::<PyResult<_>>()
-            .map(IntColumn::Owned);
+        return sequence_ints(obj, tuple.len(), |i| {
+            // SAFETY: as above; a tuple's items live as long as the tuple.
+            unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
+        })
+        .map(IntColumn::Owned);
     }
     if let Some(view) = BufferView::get(obj) {
-        return Ok(match view.kind {
-            ItemKind::I64 => IntColumn::Borrowed(view),
-            _ => IntColumn::Owned(view.to_vec()),
-        });
+        if view.kind == ItemKind::I64 && view.is_aligned() {
+            return Ok(IntColumn::Borrowed(view));
+        }
+        if let Some(values) = view.to_vec() {
+            return Ok(IntColumn::Owned(values));
+        }
+        // Unsigned values past i64::MAX: iterate, so the error names the real value.
     }
     obj.try_iter()?
         .map(|x| x?.extract::<i64>())
         .collect::<PyResult<_>>()
         .map(IntColumn::Owned)
+}
+
+/// Reads the items of an exact list or tuple of `len` items. Exact `int` items are read
+/// through borrowed references with no reference counting (reading one runs no Python
+/// code); anything else goes through `PyO3`'s extraction, after which the length of a list
+/// is read again, as a Python `for` loop would.
+fn sequence_ints(
+    seq: &Bound<'_, PyAny>,
+    len: usize,
+    get: impl Fn(isize) -> *mut ffi::PyObject,
+) -> PyResult<Vec<i64>> {
+    let py = seq.py();
+    let mut out = Vec::with_capacity(len);
+    let mut stop = len;
+    let mut i = 0;
+    while i < stop {
+        let item = get(isize::try_from(i).unwrap_or(isize::MAX));
+        // SAFETY: `item` is null or a borrowed reference to a live object; GIL held.
+        let exact = !item.is_null() && unsafe { ffi::PyLong_CheckExact(item) } != 0;
+        // SAFETY: an exact int: reads its value without running Python code.
+        let value = if exact {
+            unsafe { ffi::PyLong_AsLongLong(item) }
+        } else {
+            -1
+        };
+        // SAFETY: GIL held.
+        if exact && (value != -1 || unsafe { ffi::PyErr_Occurred() }.is_null()) {
+            out.push(value);
+        } else {
+            if exact {
+                // SAFETY: GIL held; the OverflowError is raised again by `extract` below.
+                unsafe { ffi::PyErr_Clear() };
+            }
+            // SAFETY: `item` is null (error set) or borrowed; this takes a strong reference.
+            let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
+            out.push(item.extract::<i64>()?);
+            stop = seq.len()?;
+        }
+        i += 1;
+    }
+    Ok(out)
 }
 
 /// The integer item types a buffer may hold.
@@ -208,15 +253,21 @@ impl BufferView {
         if self.len == 0 || self.raw.buf.is_null() {
             return &[];
         }
-        // SAFETY: a C-contiguous buffer of `len` native i64 items; exporters allocate
-        // item-aligned memory (NumPy and array.array both do), checked in debug builds.
-        debug_assert!(self.raw.buf.cast::<i64>().is_aligned());
+        // SAFETY: a C-contiguous buffer of `len` native i64 items, whose alignment
+        // `int_column` checked before borrowing it.
+        debug_assert!(self.is_aligned());
         unsafe { std::slice::from_raw_parts(self.raw.buf.cast::<i64>(), self.len) }
     }
 
-    fn to_vec(&self) -> Vec<i64> {
+    /// Whether the items are aligned for reading in place as `i64`.
+    fn is_aligned(&self) -> bool {
+        self.raw.buf.cast::<i64>().is_aligned()
+    }
+
+    /// The items widened to `i64`; `None` when an unsigned item exceeds `i64::MAX`.
+    fn to_vec(&self) -> Option<Vec<i64>> {
         let b = self.bytes();
-        match self.kind {
+        let values = match self.kind {
             ItemKind::I8 => b
                 .iter()
                 .map(|&x| i64::from(i8::from_ne_bytes([x])))
@@ -238,20 +289,26 @@ impl BufferView {
                 .chunks_exact(4)
                 .map(|c| i64::from(u32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
                 .collect(),
-            // Values above i64::MAX cannot be block ids or counts; saturating keeps them
-            // out of range so validation names them as such.
-            ItemKind::U64 => b
+            ItemKind::I64 => b
                 .chunks_exact(8)
-                .map(|c| {
-                    i64::try_from(u64::from_ne_bytes([
-                        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
-                    ]))
-                    .unwrap_or(i64::MAX)
-                })
+                .map(|c| i64::from_ne_bytes(eight(c)))
                 .collect(),
-            ItemKind::I64 => self.as_i64().to_vec(),
-        }
+            ItemKind::U64 => {
+                return b
+                    .chunks_exact(8)
+                    .map(|c| i64::try_from(u64::from_ne_bytes(eight(c))).ok())
+                    .collect();
+            }
+        };
+        Some(values)
     }
+}
+
+/// The first eight bytes of a `chunks_exact(8)` chunk.
+fn eight(c: &[u8]) -> [u8; 8] {
+    let mut out = [0u8; 8];
+    out.copy_from_slice(&c[..8]);
+    out
 }
 
 impl Drop for BufferView {

@@ -22,9 +22,28 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rollback::PyRollbackResult>()?;
     m.add_class::<rollback::PyInvalidBlocksOutcome>()?;
     m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
-    m.add_function(wrap_pyfunction!(rollback::update_requests_with_invalid_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        rollback::update_requests_with_invalid_blocks,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(rollback::handle_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(rollback::handle_failed_recving, m)?)?;
-    m.add("__all__", ["BlockHasher", "BlockPool", "KVCacheBlock", "KVCacheManager", "PrefixCacheStats", "Request", "InvalidBlocksOutcome", "RollbackResult", "rollback_invalid_blocks", "update_requests_with_invalid_blocks", "handle_invalid_blocks", "handle_failed_recving"])?;
+    m.add(
+        "__all__",
+        [
+            "BlockHasher",
+            "BlockPool",
+            "KVCacheBlock",
+            "KVCacheManager",
+            "PrefixCacheStats",
+            "Request",
+            "InvalidBlocksOutcome",
+            "RollbackResult",
+            "rollback_invalid_blocks",
+            "update_requests_with_invalid_blocks",
+            "handle_invalid_blocks",
+            "handle_failed_recving",
+        ],
+    )?;
     Ok(())
 }
