@@ -30,6 +30,4 @@ def load_golden(name: str) -> list[dict[str, Any]]:
 
 def golden_params(name: str) -> list[Any]:
     """``pytest.param`` per golden case, with an id naming file and line."""
-    return [
-        pytest.param(case, id=f"{name}:{i + 1}") for i, case in enumerate(load_golden(name))
-    ]
+    return [pytest.param(case, id=f"{name}:{i + 1}") for i, case in enumerate(load_golden(name))]
