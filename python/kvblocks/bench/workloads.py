@@ -221,25 +221,43 @@ def manager_chat(num_sessions: int = 256, turns: int = 3, seed: int = 0) -> Work
 # --------------------------------------------------------------------------- hashing
 
 
-def hashing(algo: str, num_tokens: int = 131_072, block_size: int = 16) -> Workload:
-    """Hashing one long prompt's full blocks with one algorithm."""
+def hashing(
+    algo: str, via: str = "request", num_tokens: int = 131_072, block_size: int = 16
+) -> Workload:
+    """Hashing one long prompt's full blocks with one algorithm.
+
+    ``via="request"`` builds a ``Request`` with the hasher as its ``block_hasher`` (what a
+    scheduler does on admission: the native request keeps tokens and hashes in Rust);
+    ``via="hash_blocks"`` calls ``hash_blocks(list_of_ints)``, which also converts the
+    list and returns one ``bytes`` object per block.
+    """
     rng = random.Random(num_tokens)
     tokens = [rng.randrange(150_000) for _ in range(num_tokens)]
 
     def setup(backend: ModuleType) -> Any:
-        return backend.BlockHasher(block_size, algo, "0")
+        return backend, backend.BlockHasher(block_size, algo, "0")
 
-    def run(backend: ModuleType, hasher: Any) -> Any:
+    def run(backend: ModuleType, state: Any) -> Any:
+        _, hasher = state
+        if via == "request":
+            return backend.Request("prompt", tokens, block_hasher=hasher)
         return hasher.hash_blocks(tokens)
 
-    def check(hasher: Any, hashes: Any) -> None:
+    def check(state: Any, result: Any) -> None:
+        _, hasher = state
+        hashes = result.block_hashes if via == "request" else result
         assert len(hashes) == num_tokens // block_size
         assert hashes[0] == hasher.hash_block(None, tokens[:block_size])
+        assert hashes[-1] == hasher.hash_blocks(tokens)[-1]
 
     return Workload(
-        name=f"hash_{algo}",
+        name=f"hash_{algo}" if via == "request" else f"hash_blocks_{algo}",
         group="hashing",
-        description=f"BlockHasher({algo!r}).hash_blocks: {num_tokens:,} tokens, block {block_size}",
+        description=(
+            f"{'Request(prompt, block_hasher=BlockHasher' if via == 'request' else 'BlockHasher'}"
+            f"({algo!r}){')' if via == 'request' else '.hash_blocks(list)'}: "
+            f"{num_tokens:,} tokens, block {block_size}"
+        ),
         ops=num_tokens // block_size,
         op_name="block",
         setup=setup,
@@ -415,6 +433,7 @@ def all_workloads(quick: bool = False) -> list[Workload]:
     out += [pool_churn(n, num_steps=2_000) for n in scaling]
     out.append(manager_chat(num_sessions=64 if quick else 256))
     out += [hashing(algo) for algo in ALGOS]
+    out += [hashing(algo, via="hash_blocks") for algo in ALGOS]
     out.append(rollback(1_000, native_input))
     out.append(rollback(10_000, native_input))
     if native_input == "numpy":

@@ -46,8 +46,10 @@ pub fn dumps_block(out: &mut Vec<u8>, parent: &[u8], tokens: &[i64], extra: Opti
     write_head(out, BYTES, parent.len() as u64);
     out.extend_from_slice(parent);
     write_head(out, ARRAY, tokens.len() as u64);
-    for &t in tokens {
-        write_int(out, t);
+    if !write_u32_ints(out, tokens) {
+        for &t in tokens {
+            write_int(out, t);
+        }
     }
     match extra {
         Some(v) => write_value(out, v),
@@ -75,6 +77,41 @@ fn write_value(out: &mut Vec<u8>, value: &Value) {
             }
         }
     }
+}
+
+/// Per size class of an unsigned int (< 24, < 2^8, < 2^16, < 2^32): the initial byte's
+/// additional-information bits and the number of argument bytes after it.
+const U32_INFO: [u64; 4] = [0, 24, 25, 26];
+const U32_ARG_LEN: [u32; 4] = [0, 1, 2, 4];
+
+/// Writes every token as [`write_int`] would, when all of them are in `0 .. 2^32` (the
+/// normal case for token ids); returns false, writing nothing, otherwise.
+///
+/// The encoding's length depends unpredictably on each token, so it is picked by table
+/// lookup rather than branches: the head byte and the big-endian argument form one
+/// word, whose leading bytes are written as five bytes into reserved slack, and the
+/// cursor advances by the real length.
+fn write_u32_ints(out: &mut Vec<u8>, tokens: &[i64]) -> bool {
+    if !tokens.iter().all(|&t| u32::try_from(t).is_ok()) {
+        return false;
+    }
+    let start = out.len();
+    out.resize(start + tokens.len() * 5 + 3, 0);
+    let mut pos = start;
+    for &t in tokens {
+        let v = u64::try_from(t).unwrap_or_default();
+        let class = usize::from(v >= 24) + usize::from(v > 0xff) + usize::from(v > 0xffff);
+        let arg_len = U32_ARG_LEN[class];
+        // [head, argument...] as the top bytes of a big-endian u64; for class 0 the
+        // value itself is the head's additional information.
+        let word = ((U32_INFO[class] << (8 * arg_len)) | v) << (8 * (7 - arg_len));
+        if let Some(slot) = out.get_mut(pos..pos + 8) {
+            slot.copy_from_slice(&word.to_be_bytes());
+        }
+        pos += 1 + arg_len as usize;
+    }
+    out.truncate(pos);
+    true
 }
 
 #[inline]

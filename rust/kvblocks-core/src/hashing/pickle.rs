@@ -280,8 +280,10 @@ impl<'a> Pickler<'a> {
         // No frame can fill up while the tokens are written if even the largest
         // encoding of all of them fits: then the per-token boundary check is skipped.
         if self.frame_len() + tokens.len() * MAX_TOKEN_SIZE < FRAME_SIZE_TARGET {
-            for &t in tokens {
-                write_int(self.out, t);
+            if !write_i32_ints(self.out, tokens) {
+                for &t in tokens {
+                    write_int(self.out, t);
+                }
             }
         } else {
             for &t in tokens {
@@ -362,6 +364,41 @@ fn write_int(out: &mut Vec<u8>, n: i64) {
         let le = n.to_le_bytes();
         write_long(out, super::value::minimal_twos_complement(&le));
     }
+}
+
+/// Opcode and encoded length of an `i32` by size class: 0..=255, 256..=65535, the rest.
+const I32_OPS: [u8; 3] = [BININT1, BININT2, BININT];
+const I32_LENS: [usize; 3] = [2, 3, 5];
+
+/// Writes every token as [`write_int`] would, when all of them fit in an `i32` (the
+/// normal case for token ids); returns false, writing nothing, otherwise.
+///
+/// Token ids are spread over the vocabulary, so which of the three encodings a token
+/// takes is unpredictable; picking it by table lookup instead of branching avoids a
+/// mispredicted branch per token. Each token is written as five bytes into reserved
+/// slack and the cursor advanced by its real length, so shorter encodings are simply
+/// overwritten by the next token.
+fn write_i32_ints(out: &mut Vec<u8>, tokens: &[i64]) -> bool {
+    if !tokens.iter().all(|&t| i32::try_from(t).is_ok()) {
+        return false;
+    }
+    let start = out.len();
+    out.resize(start + tokens.len() * 5, 0);
+    let mut pos = start;
+    for &t in tokens {
+        // In range: checked above; the fallback only keeps this free of panics.
+        let word = i32::try_from(t).unwrap_or_default();
+        // Negative values read as large u32s, so they land in the BININT class.
+        let unsigned = u32::from_ne_bytes(word.to_ne_bytes());
+        let class = usize::from(unsigned > 0xff) + usize::from(unsigned > 0xffff);
+        let [b0, b1, b2, b3] = word.to_le_bytes();
+        if let Some(slot) = out.get_mut(pos..pos + 5) {
+            slot.copy_from_slice(&[I32_OPS[class], b0, b1, b2, b3]);
+        }
+        pos += I32_LENS[class];
+    }
+    out.truncate(pos);
+    true
 }
 
 /// `LONG1`/`LONG4` with the given minimal two's-complement bytes.
