@@ -40,16 +40,25 @@ impl Deref for IntColumn {
 /// # Errors
 /// `TypeError` when an item is not an int, `OverflowError` when it does not fit in 64 bits.
 pub fn int_column(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
-    if let Ok(list) = obj.cast::<PyList>() {
-        return sequence_ints(obj, list.len(), |i| {
+    int_column_with(obj, |item| item.extract::<i64>())
+}
+
+/// [`int_column`] with `convert` turning each item that is not an exact `int` within
+/// 64 bits into an `i64` (or the caller's error for it): the first bad item decides.
+pub fn int_column_with(
+    obj: &Bound<'_, PyAny>,
+    convert: impl Fn(&Bound<'_, PyAny>) -> PyResult<i64>,
+) -> PyResult<IntColumn> {
+    if let Ok(list) = obj.cast_exact::<PyList>() {
+        return sequence_ints(obj, list.len(), &convert, |i| {
             // SAFETY: GIL held, `i < len(list)` (re-checked by the caller after any
             // Python code ran); returns a borrowed item or null with IndexError set.
             unsafe { ffi::PyList_GetItem(list.as_ptr(), i) }
         })
         .map(IntColumn::Owned);
     }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return sequence_ints(obj, tuple.len(), |i| {
+    if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        return sequence_ints(obj, tuple.len(), &convert, |i| {
             // SAFETY: as above; a tuple's items live as long as the tuple.
             unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
         })
@@ -65,18 +74,19 @@ pub fn int_column(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
         // Unsigned values past i64::MAX: iterate, so the error names the real value.
     }
     obj.try_iter()?
-        .map(|x| x?.extract::<i64>())
+        .map(|item| convert(&item?))
         .collect::<PyResult<_>>()
         .map(IntColumn::Owned)
 }
 
 /// Reads the items of an exact list or tuple of `len` items. Exact `int` items are read
 /// through borrowed references with no reference counting (reading one runs no Python
-/// code); anything else goes through `PyO3`'s extraction, after which the length of a list
-/// is read again, as a Python `for` loop would.
+/// code); any other item goes through `convert`, after which the length of a list is
+/// read again, as a Python `for` loop would.
 fn sequence_ints(
     seq: &Bound<'_, PyAny>,
     len: usize,
+    convert: impl Fn(&Bound<'_, PyAny>) -> PyResult<i64>,
     get: impl Fn(isize) -> *mut ffi::PyObject,
 ) -> PyResult<Vec<i64>> {
     let py = seq.py();
@@ -98,12 +108,12 @@ fn sequence_ints(
             out.push(value);
         } else {
             if exact {
-                // SAFETY: GIL held; the OverflowError is raised again by `extract` below.
+                // SAFETY: GIL held; `convert` reports the overflow in its own terms.
                 unsafe { ffi::PyErr_Clear() };
             }
             // SAFETY: `item` is null (error set) or borrowed; this takes a strong reference.
             let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
-            out.push(item.extract::<i64>()?);
+            out.push(convert(&item)?);
             stop = seq.len()?;
         }
         i += 1;

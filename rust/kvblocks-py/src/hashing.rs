@@ -7,10 +7,8 @@
 //! object they came from ([`Identities`]): the core then writes memo references exactly
 //! where CPython's pickler would.
 //!
-//! Speed: token ids of exact lists and tuples are read with no reference counting, a
-//! native `Request` is hashed from its `Vec` with no Python call per block, and a long
-//! list given to `hash_blocks` is hashed on a worker thread while it is still being
-//! converted (converting costs about as much as hashing; see [`hash_list_pipelined`]).
+//! Speed: token ids of exact lists and tuples are read with no reference counting, and
+//! a native `Request` is hashed from its `Vec` with no Python call per block.
 
 // The `///` comments of the Python-visible items are the reference's docstrings, copied
 // verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
@@ -19,10 +17,6 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
-use std::thread;
-use std::time::{Duration, Instant};
 
 use kvblocks_core::hashing::{
     mm_features_in_block, py_repr, resolve_seed, too_deep_error, BlockHasher as CoreHasher,
@@ -30,11 +24,11 @@ use kvblocks_core::hashing::{
 };
 use kvblocks_core::{BlockHash, Error};
 use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PySlice, PyString, PyTuple};
-use pyo3::{ffi, intern};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
-use crate::convert::{int_column, IntColumn};
+use crate::convert::{int_column_with, IntColumn};
 use crate::errors::{to_py, IntoPyResult};
 use crate::request::PyRequest;
 
@@ -84,138 +78,7 @@ pub fn token_id(item: &Bound<'_, PyAny>) -> PyResult<i64> {
 /// reference's errors: the first bad id decides, `operator.index`'s `TypeError` for a
 /// non-integer and `token id {x} does not fit in a signed 64-bit integer` past 64 bits.
 pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
-    if let Ok(list) = obj.cast_exact::<PyList>() {
-        return list_token_ids(list).map(IntColumn::Owned);
-    }
-    if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
-        return tuple_token_ids(tuple).map(IntColumn::Owned);
-    }
-    if is_signed_buffer(obj) {
-        // `int_column` reports a too-large id (possible in an object array) as PyO3's
-        // `OverflowError`; an array can be read again, so read it once more to name the
-        // first offending id.
-        return int_column(obj).or_else(|err| {
-            if err.is_instance_of::<PyOverflowError>(obj.py()) {
-                for item in obj.try_iter()? {
-                    token_id(&item?)?;
-                }
-            }
-            Err(err)
-        });
-    }
-    // Other iterables may be one-shot (generators): convert as they are read.
-    obj.try_iter()?
-        .map(|item| token_id(&item?))
-        .collect::<PyResult<Vec<i64>>>()
-        .map(IntColumn::Owned)
-}
-
-/// The token ids of an exact `list`: the hot path of a long prompt.
-fn list_token_ids(list: &Bound<'_, PyList>) -> PyResult<Vec<i64>> {
-    list_token_range(list, 0, usize::MAX)
-}
-
-/// The token ids of up to `max_items` items of an exact `list` from index `start` (fewer
-/// at the end of the list). Exact `int` items are read through borrowed references with
-/// no reference counting (reading an exact int runs no Python code, so nothing can
-/// change the list meanwhile); anything else takes [`token_id`] with a strong
-/// reference, after which the length is read again, as a Python `for` loop does.
-fn list_token_range(
-    list: &Bound<'_, PyList>,
-    start: usize,
-    max_items: usize,
-) -> PyResult<Vec<i64>> {
-    let py = list.py();
-    let end = |len: usize| len.min(start.saturating_add(max_items));
-    let mut stop = end(list.len());
-    let mut out = Vec::with_capacity(stop.saturating_sub(start));
-    let mut i = start;
-    while i < stop {
-        let index = isize::try_from(i).unwrap_or(isize::MAX);
-        // SAFETY: we hold the GIL and a reference to the list; `index < len(list)` (the
-        // length is re-read whenever Python code may have run), so the result is a
-        // borrowed reference to a live item, or null with an IndexError set.
-        let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), index) };
-        // SAFETY: `item` is null or a valid borrowed reference, and we hold the GIL.
-        if let Some(value) = unsafe { exact_int(py, item) } {
-            out.push(value?);
-        } else {
-            // SAFETY: as above; `from_borrowed_ptr_or_err` takes a strong reference (or
-            // fetches the error of a null result).
-            let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
-            out.push(token_id(&item)?);
-            stop = end(list.len());
-        }
-        i += 1;
-    }
-    Ok(out)
-}
-
-/// The token ids of an exact `tuple`, read like [`list_token_ids`] (a tuple cannot
-/// change, so its length is read once).
-fn tuple_token_ids(tuple: &Bound<'_, PyTuple>) -> PyResult<Vec<i64>> {
-    let py = tuple.py();
-    let len = tuple.len();
-    let mut out = Vec::with_capacity(len);
-    for i in 0..len {
-        let index = isize::try_from(i).unwrap_or(isize::MAX);
-        // SAFETY: as in `list_token_range`; a tuple's items live as long as the tuple.
-        let item = unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), index) };
-        // SAFETY: `item` is null or a valid borrowed reference, and we hold the GIL.
-        if let Some(value) = unsafe { exact_int(py, item) } {
-            out.push(value?);
-        } else {
-            // SAFETY: as in `list_token_range`.
-            let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
-            out.push(token_id(&item)?);
-        }
-    }
-    Ok(out)
-}
-
-/// The value of `item` if it is an exact `int` (`Some(Err)` past 64 bits, with the
-/// reference's message); `None` for anything else, including a null pointer.
-///
-/// # Safety
-/// `item` is null or a valid (borrowed) object pointer, and the GIL is held.
-unsafe fn exact_int(py: Python<'_>, item: *mut ffi::PyObject) -> Option<PyResult<i64>> {
-    // SAFETY: the caller guarantees a valid pointer when non-null.
-    if item.is_null() || unsafe { ffi::PyLong_CheckExact(item) } == 0 {
-        return None;
-    }
-    // SAFETY: `item` is an exact int: this reads its value and runs no Python code.
-    let value = unsafe { ffi::PyLong_AsLongLong(item) };
-    // SAFETY: GIL held.
-    if value == -1 && !unsafe { ffi::PyErr_Occurred() }.is_null() {
-        // SAFETY: GIL held; the error is an OverflowError, replaced by the reference's.
-        unsafe { ffi::PyErr_Clear() };
-        // SAFETY: `item` is valid; `from_borrowed_ptr` takes a strong reference.
-        let item = unsafe { Bound::from_borrowed_ptr(py, item) };
-        return Some(token_id(&item));
-    }
-    Some(Ok(value))
-}
-
-/// Whether `obj` exports a buffer `int_column` can read exactly. Unsigned 64-bit items
-/// are left to iteration: `int_column` saturates values above `i64::MAX`, which must be
-/// reported as out of range instead.
-fn is_signed_buffer(obj: &Bound<'_, PyAny>) -> bool {
-    let Ok(view) = PyMemoryView::from(obj) else {
-        return false;
-    };
-    let format = view
-        .getattr(intern!(obj.py(), "format"))
-        .and_then(|f| f.extract::<String>());
-    let itemsize = view
-        .getattr(intern!(obj.py(), "itemsize"))
-        .and_then(|s| s.extract::<usize>());
-    match (format, itemsize) {
-        (Ok(format), Ok(itemsize)) => {
-            let code = format.trim_start_matches(['@', '=', '<', '>', '!']);
-            !(itemsize == 8 && matches!(code, "Q" | "L" | "N"))
-        }
-        _ => false,
-    }
+    int_column_with(obj, token_id)
 }
 
 /// A column of token ids as an owned `Vec`.
@@ -664,215 +527,6 @@ fn attr_or_none<'py>(
         .unwrap_or_else(|| obj.py().None().into_bound(obj.py())))
 }
 
-/// Lists at least this long (and with no extra keys) are hashed while they are still
-/// being converted: converting a list costs about as much as hashing it, and the two
-/// overlap on two cores. Below it a worker thread costs more than it saves.
-const PIPELINE_MIN_TOKENS: usize = 1 << 14;
-
-/// Tokens per chunk handed from the converting thread to the hashing one (rounded down
-/// to whole blocks): small enough that little hashing is left once the conversion
-/// ends, large enough that the hand-overs cost nothing noticeable.
-const PIPELINE_CHUNK_TOKENS: usize = 1 << 13;
-
-/// How long either side of the pipeline polls for the other's next message (yielding
-/// the CPU between polls) before it sleeps or, for the converting thread, takes over.
-/// Messages come every few tens of microseconds, and waking a sleeping thread costs
-/// about as much (more in a virtual machine); yielding rather than spinning keeps a
-/// busy machine's other work going.
-const PIPELINE_POLL: Duration = Duration::from_micros(200);
-
-/// Per token of a chunk, how long the converting thread waits for the chunk's hashes
-/// before it concludes that the worker lost its CPU: over twice what SHA-256 takes.
-const PIPELINE_NANOS_PER_TOKEN: u64 = 20;
-
-/// What the two sides of the pipeline tell each other outside the channels.
-#[derive(Default)]
-struct PipelineFlags {
-    /// Set by the worker once it runs.
-    started: AtomicBool,
-    /// Set by the calling thread when it hashes the rest itself: the worker stops.
-    abandoned: AtomicBool,
-}
-
-/// `hash_blocks` of a long exact list without extra keys, as `bytes`: this thread
-/// (which holds the GIL) converts the list chunk by chunk while a worker thread, which
-/// never touches Python, hashes the chunks converted so far and sends each chunk's
-/// hashes back, to be turned into `bytes` here once the conversion is done.
-///
-/// Every chunk is kept here too: when the worker cannot do its part (it could not be
-/// started, has not started by the end of the conversion, or stalls because the
-/// machine is busy), this thread hashes the remaining chunks itself, continuing the
-/// chain from the last hash received. The result never depends on the worker.
-fn hash_list_pipelined<'py>(
-    inner: &CoreHasher,
-    list: &Bound<'py, PyList>,
-    parent: Option<&[u8]>,
-) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let py = list.py();
-    let block_size = inner.block_size();
-    let chunk_len = (PIPELINE_CHUNK_TOKENS / block_size).max(1) * block_size;
-    let (chunk_sender, chunk_receiver) = mpsc::channel::<Arc<Vec<i64>>>();
-    let (hash_sender, hash_receiver) = mpsc::channel::<kvblocks_core::Result<Vec<BlockHash>>>();
-    let flags = Arc::new(PipelineFlags::default());
-    // Detached (the worker owns what it uses), so that this thread never waits for a
-    // worker that did not get a CPU.
-    let spawned = {
-        let inner = inner.clone();
-        let parent = parent.map(<[u8]>::to_vec);
-        let flags = Arc::clone(&flags);
-        thread::Builder::new().spawn(move || {
-            flags.started.store(true, Ordering::Release);
-            hash_chunks(
-                &inner,
-                parent.as_deref(),
-                &chunk_receiver,
-                &hash_sender,
-                &flags,
-            );
-        })
-    };
-    let mut to_worker = spawned.ok().map(|_| chunk_sender);
-    let mut chunks: Vec<Arc<Vec<i64>>> = Vec::new();
-    let mut start = 0;
-    loop {
-        let tokens = match list_token_range(list, start, chunk_len) {
-            Ok(tokens) if tokens.is_empty() => break,
-            Ok(tokens) => Arc::new(tokens),
-            Err(err) => {
-                flags.abandoned.store(true, Ordering::Release);
-                return Err(err);
-            }
-        };
-        start += tokens.len();
-        if let Some(sender) = &to_worker {
-            if sender.send(Arc::clone(&tokens)).is_err() {
-                to_worker = None;
-            }
-        }
-        chunks.push(tokens);
-    }
-
-    let mut out = Vec::with_capacity(start / block_size);
-    let mut chain = Chain::default();
-    let mut done = 0;
-    // Closing the channel ends the worker's loop once it has hashed every chunk.
-    if to_worker.take().is_some() && flags.started.load(Ordering::Acquire) {
-        let patience = Duration::from_nanos(
-            u64::try_from(chunk_len)
-                .unwrap_or(u64::MAX)
-                .saturating_mul(PIPELINE_NANOS_PER_TOKEN),
-        )
-        .max(PIPELINE_POLL);
-        while done < chunks.len() {
-            match recv_within(&hash_receiver, patience) {
-                Some(Ok(hashes)) => {
-                    chain.last = hashes.last().copied().or(chain.last);
-                    out.extend(hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())));
-                    done += 1;
-                }
-                Some(Err(err)) => return Err(to_py(&err)),
-                // Stalled or gone: take over.
-                None => break,
-            }
-        }
-    }
-    flags.abandoned.store(true, Ordering::Release);
-    // After whole chunks the chain's state is its last hash, unless a chunk was cut
-    // short (the list changed length while it was read): then start over.
-    let consumed: usize = chunks.iter().take(done).map(|c| c.len()).sum();
-    if consumed % block_size != 0 {
-        (out, chain, done) = (Vec::new(), Chain::default(), 0);
-    }
-    for tokens in chunks.iter().skip(done) {
-        let hashes = chain.push(inner, parent, tokens).py()?;
-        out.extend(hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())));
-    }
-    Ok(out)
-}
-
-/// A hash chain fed chunk by chunk of tokens: a partial block and the last hash carry
-/// over to the next chunk.
-#[derive(Default)]
-struct Chain {
-    last: Option<BlockHash>,
-    pending: Vec<i64>,
-}
-
-impl Chain {
-    /// The hashes of the blocks `tokens` completes, chained after the previous chunks'
-    /// (the first block after `parent`).
-    fn push(
-        &mut self,
-        inner: &CoreHasher,
-        parent: Option<&[u8]>,
-        tokens: &[i64],
-    ) -> kvblocks_core::Result<Vec<BlockHash>> {
-        let joined;
-        let tokens = if self.pending.is_empty() {
-            tokens
-        } else {
-            self.pending.extend_from_slice(tokens);
-            joined = std::mem::take(&mut self.pending);
-            &joined
-        };
-        let (blocks, rest) =
-            tokens.split_at(tokens.len() / inner.block_size() * inner.block_size());
-        let parent = self.last.as_ref().map_or(parent, |h| Some(h.as_bytes()));
-        let mut hashes = Vec::new();
-        inner.extend_hashes(&mut hashes, blocks, parent, None)?;
-        self.last = hashes.last().copied().or(self.last);
-        self.pending.extend_from_slice(rest);
-        Ok(hashes)
-    }
-}
-
-/// The worker of [`hash_list_pipelined`]: hashes the chunks it receives as one chain
-/// and sends each chunk's hashes back, until the channel closes, the calling thread
-/// abandons it, or hashing fails.
-fn hash_chunks(
-    inner: &CoreHasher,
-    parent: Option<&[u8]>,
-    chunks: &mpsc::Receiver<Arc<Vec<i64>>>,
-    out: &mpsc::Sender<kvblocks_core::Result<Vec<BlockHash>>>,
-    flags: &PipelineFlags,
-) {
-    let mut chain = Chain::default();
-    loop {
-        // Chunks come every few tens of microseconds: poll, then sleep.
-        let tokens = match recv_within(chunks, PIPELINE_POLL) {
-            Some(tokens) => tokens,
-            None => match chunks.recv() {
-                Ok(tokens) => tokens,
-                Err(_) => return,
-            },
-        };
-        if flags.abandoned.load(Ordering::Acquire) {
-            return;
-        }
-        let result = chain.push(inner, parent, &tokens);
-        let failed = result.is_err();
-        if out.send(result).is_err() || failed {
-            return;
-        }
-    }
-}
-
-/// The next message of `receiver` if one comes within `patience` (polling, and
-/// yielding the CPU between polls); `None` on timeout or once the channel is closed and
-/// empty.
-fn recv_within<T>(receiver: &mpsc::Receiver<T>, patience: Duration) -> Option<T> {
-    let since = Instant::now();
-    loop {
-        match receiver.try_recv() {
-            Ok(message) => return Some(message),
-            Err(mpsc::TryRecvError::Empty) if since.elapsed() < patience => {
-                thread::yield_now();
-            }
-            Err(_) => return None,
-        }
-    }
-}
-
 /// Hashes as a list of `bytes`.
 fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())))
@@ -1034,18 +688,6 @@ impl PyBlockHasher {
         extra_keys: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let py = token_ids.py();
-        let no_keys = extra_keys.is_none_or(PyAnyMethods::is_none);
-        if let (Ok(list), true) = (token_ids.cast_exact::<PyList>(), no_keys) {
-            // Tokens are checked before the parent: only a valid parent takes this path.
-            let parent = match parent {
-                Some(p) => parent_arg(p).ok(),
-                None => Some(None),
-            };
-            if let (Some(parent), true) = (parent, list.len() >= PIPELINE_MIN_TOKENS) {
-                let parent = parent.map(PyBytesMethods::as_bytes);
-                return PyList::new(py, hash_list_pipelined(&self.inner, list, parent)?);
-            }
-        }
         let tokens = self::token_ids(token_ids)?;
         let parent = match parent {
             Some(p) => parent_arg(p)?,
