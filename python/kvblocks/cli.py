@@ -1,4 +1,4 @@
-"""The ``kvblocks`` command line: ``kvblocks demo`` (and the jobs later issues add)."""
+"""The ``kvblocks`` command line: ``bench`` (the main job), ``simulate`` and ``demo``."""
 
 from __future__ import annotations
 
