@@ -596,3 +596,44 @@ def test_reference_stats_is_a_slotted_dataclass() -> None:
     stats = PrefixCacheStats()
     assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
     assert not hasattr(stats, "__dict__")
+
+
+def test_lookup_reads_no_hash_past_the_first_miss(backend: ModuleType) -> None:
+    # vLLM never reads a hash after the first miss, so a bad one there is not an error.
+    manager = backend.KVCacheManager(16, 4)
+    request = DuckRequest("r", 40, [b"miss", 123, b"x" * 33])  # type: ignore[list-item]
+    assert manager.get_computed_blocks(request) == ([], 0)
+
+
+def test_hit_ids_are_range_checked_before_the_null_check(backend: ModuleType) -> None:
+    manager = backend.KVCacheManager(16, 4)
+    request = DuckRequest("r", 9, [b"a", b"b"])
+    with pytest.raises(UnknownBlockError, match=r"^block id 99 is out of range"):
+        manager.allocate_slots(request, 1, 8, [0, 99])
+    assert manager.block_pool.get_num_free_blocks() == 15
+
+
+def test_request_code_reaching_back_into_the_pool_never_panics(backend: ModuleType) -> None:
+    """A request whose ``block_hashes`` calls into the pool during a manager call.
+
+    The reference allows it. The native manager is mid-call and refuses with a
+    ``RuntimeError`` (never a Rust panic), leaving its state as it was.
+    """
+    manager = backend.KVCacheManager(8, 4)
+    pool = manager.block_pool
+
+    class ReentrantHashes(list[bytes]):
+        def __getitem__(self, index: Any) -> Any:
+            pool.get_num_free_blocks()
+            return list.__getitem__(self, index)
+
+    request = DuckRequest("r", 9, ReentrantHashes([b"a" * 32, b"b" * 32]))
+    try:
+        allocated = manager.allocate_slots(request, 9)
+    except RuntimeError:
+        assert backend.__name__.endswith("_native")
+        assert pool.get_num_free_blocks() == 7
+        assert manager.get_block_ids("r") == ([],)
+    else:
+        assert allocated == [1, 2, 3]
+    pool.check_invariants()

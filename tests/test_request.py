@@ -78,7 +78,8 @@ def test_appends_keep_the_hashes_current(
 
 
 def test_numpy_token_ids(backend: ModuleType) -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     hasher = backend.BlockHasher(2, "sha256", "np")
     request = backend.Request("r", np.arange(3, dtype=np.int64), block_hasher=hasher)
     request.append_output_token_ids(np.int32(7))
@@ -218,3 +219,30 @@ def test_block_hasher_reads_duck_typed_requests(backend: ModuleType) -> None:
     assert hasher(vllm_like) == full[1:]
     vllm_like.block_hashes = full
     assert hasher(vllm_like) == []
+
+
+def test_a_hasher_failing_half_way_keeps_no_hash(backend: ModuleType) -> None:
+    def hasher(request: Any) -> Any:
+        if request.num_tokens >= 8:
+            yield b"a" * 32
+            raise RuntimeError("connector gone")
+
+    request = backend.Request("r", [1, 2, 3, 4], block_hasher=hasher)
+    with pytest.raises(RuntimeError, match="connector gone"):
+        request.append_output_token_ids([5, 6, 7, 8])
+    assert request.num_tokens == 4
+    assert request.block_hashes == []
+
+
+@pytest.mark.parametrize(
+    ("result", "error", "message"),
+    [
+        (["x"], TypeError, "^block hash must be bytes, got str$"),
+        ([b"x" * 33], ValueError, "^block hash must be at most 32 bytes, got 33$"),
+    ],
+)
+def test_a_hasher_returning_a_bad_hash_is_refused(
+    backend: ModuleType, result: list[Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        backend.Request("r", [1, 2, 3, 4], block_hasher=lambda _request: result)

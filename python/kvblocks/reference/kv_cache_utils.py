@@ -52,7 +52,10 @@ def cdiv(a: int, b: int) -> int:
 
 # --------------------------------------------------------------------------- validation
 #
-# Every public entry point validates in the same order, which the native backend copies:
+# Every public entry point validates in this order. The native backend raises the same
+# class and message for any single fault; when one call has several faults at once, which
+# of them is reported first may differ between the backends (e.g. PyO3 converts typed
+# arguments before the body runs):
 #   1. types: each argument in signature order, each sequence element by element
 #      (``operator.index`` for ints, ``isinstance(x, bytes)`` for hashes) -> TypeError;
 #   2. values: each argument in signature order (range of ids, length of hashes,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, SupportsIndex
 
 from kvblocks.reference.hashing import check_token_ids
+from kvblocks.reference.kv_cache_utils import check_block_hash, to_block_hash
 
 __all__ = ["Request"]
 
@@ -219,10 +220,17 @@ class Request:
         """Appends the hashes of full blocks not hashed yet (vLLM's method of that name).
 
         Raises:
+            TypeError: A hash the hasher returned is not ``bytes``.
+            ValueError: A hash the hasher returned is longer than 32 bytes.
             Exception: Whatever the hasher raises; ``block_hashes`` is then unchanged.
         """
         if self._block_hasher is not None:
-            self._block_hashes.extend(self._block_hasher(self))
+            # Collected and checked in full before any is kept, so that a hasher failing
+            # half-way (or returning a bad hash) leaves ``block_hashes`` unchanged.
+            new_hashes = [to_block_hash(h) for h in self._block_hasher(self)]
+            for block_hash in new_hashes:
+                check_block_hash(block_hash)
+            self._block_hashes.extend(new_hashes)
 
     def __repr__(self) -> str:
         return (

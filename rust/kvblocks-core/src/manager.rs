@@ -33,10 +33,6 @@ use crate::pool::{BlockPool, NULL_BLOCK_ID};
 /// The KV cache group id of the single full-attention group.
 const GROUP_ID: u32 = 0;
 
-/// How many hashes [`KVCacheManager::get_computed_blocks`] fetches at a time: most
-/// lookups stop early, so there is no point in converting a whole prompt's hashes.
-const LOOKUP_CHUNK: usize = 32;
-
 /// A request's full-block hashes, in block order (vLLM's `request.block_hashes`).
 ///
 /// Implementations may convert lazily (e.g. from a Python list): the manager asks only
@@ -317,21 +313,20 @@ impl KVCacheManager {
         }
         let max_blocks =
             (num_tokens.saturating_sub(1) / self.block_size).min(request.block_hashes.num_hashes());
-        let mut chunk = Vec::with_capacity(LOOKUP_CHUNK.min(max_blocks));
-        'scan: for start in (0..max_blocks).step_by(LOOKUP_CHUNK) {
-            chunk.clear();
-            let end = start.saturating_add(LOOKUP_CHUNK).min(max_blocks);
-            request.block_hashes.hashes(start..end, &mut chunk)?;
-            for hash in chunk.iter().take(end - start) {
-                // Hashes chain, so every block after the first miss misses too.
-                let Some(block) = self.pool.cached_block(hash, GROUP_ID) else {
-                    break 'scan;
-                };
-                hits.push(block);
-            }
-            if chunk.len() < end - start {
+        // One hash at a time: the scan stops at the first miss, and a hash past it is
+        // neither converted nor validated (as vLLM, which never reads it).
+        let mut one = Vec::with_capacity(1);
+        for i in 0..max_blocks {
+            one.clear();
+            request.block_hashes.hashes(i..i + 1, &mut one)?;
+            // Hashes chain, so every block after the first miss misses too.
+            let Some(block) = one
+                .first()
+                .and_then(|h| self.pool.cached_block(h, GROUP_ID))
+            else {
                 break;
-            }
+            };
+            hits.push(block);
         }
         let hit_tokens = hits.len() * self.block_size;
         Ok((hits, hit_tokens))
@@ -665,17 +660,17 @@ impl KVCacheManager {
 
     /// Range-checks the computed blocks and rejects the null block.
     fn check_hits(&self, ids: &[i64]) -> Result<Vec<u32>> {
-        ids.iter()
-            .map(|&id| {
-                let block = self.pool.check_id(id)?;
-                if block == NULL_BLOCK_ID {
-                    return Err(Error::InvalidArgument(
-                        "new_computed_blocks must not contain the null block 0".to_owned(),
-                    ));
-                }
-                Ok(block)
-            })
-            .collect()
+        // Every id in range first, then the null check, as the reference orders them.
+        let blocks = ids
+            .iter()
+            .map(|&id| self.pool.check_id(id))
+            .collect::<Result<Vec<u32>>>()?;
+        if blocks.contains(&NULL_BLOCK_ID) {
+            return Err(Error::InvalidArgument(
+                "new_computed_blocks must not contain the null block 0".to_owned(),
+            ));
+        }
+        Ok(blocks)
     }
 
     /// Which blocks caching `num_tokens` tokens would hash, with their hashes:

@@ -86,7 +86,8 @@ impl BlockPool {
             })?;
         let mut free_queue = FreeQueue::new(n)?;
         for id in 1..n {
-            free_queue.push_back(id);
+            let pushed = free_queue.push_back(id);
+            debug_assert!(pushed, "a fresh queue holds each id once");
         }
         Ok(Self {
             num_blocks: n,
@@ -129,7 +130,7 @@ impl BlockPool {
     /// caching on, a popped block that still has a hash loses it (lazy eviction).
     ///
     /// # Errors
-    /// [`Error::Negative`] (`num_blocks`) for `n < 0`; [`Error::NoFreeBlocks`] when
+    /// [`Error::Negative`] (`n`) for `n < 0`; [`Error::NoFreeBlocks`] when
     /// fewer than `n` blocks are free.
     pub fn get_new_blocks(&mut self, n: i64) -> Result<Vec<u32>> {
         let count = usize::try_from(n).map_err(|_| Error::Negative {
@@ -418,7 +419,9 @@ impl BlockPool {
             }
             let rc = &mut self.ref_cnt[ix(id)];
             if *rc == 0 {
-                self.free_queue.remove(id);
+                let removed = self.free_queue.remove(id);
+                // Invariant: a non-null block with ref count 0 is queued.
+                debug_assert!(removed, "block {id} has ref count 0 but is not free");
             }
             *rc += 1;
         }
@@ -463,13 +466,15 @@ impl BlockPool {
             *rc -= 1;
             if *rc == 0 {
                 if self.enable_caching && self.prefix.is_cached(id) {
-                    self.free_queue.push_back(id);
+                    let pushed = self.free_queue.push_back(id);
+                    debug_assert!(pushed, "block {id} was in use, so not queued");
                 } else {
                     evict_first.push(id);
                 }
             }
         }
-        self.free_queue.push_front_run(&evict_first);
+        let pushed = self.free_queue.push_front_run(&evict_first);
+        debug_assert!(pushed, "blocks just freed were not queued");
         self.scratch = evict_first;
         Ok(())
     }

@@ -248,7 +248,16 @@ impl<'py> RequestTokens<'py> {
             for token in tokens.try_iter()? {
                 out.push(token?.extract()?);
             }
-            true
+            // The helper's own test, read here so that a plain request (vLLM's usual
+            // case) costs no Python call per caching step.
+            let truthy = |name: &str| -> PyResult<bool> {
+                request
+                    .getattr_opt(name)?
+                    .map_or(Ok(false), |v| v.is_truthy())
+            };
+            truthy("lora_request")?
+                || (first_block == 0 && truthy("cache_salt")?)
+                || truthy("mm_features")?
         };
         if has_fields {
             let helper = REQUEST_FIELDS.import(py, EVENTS_MODULE, "block_stored_request_fields")?;

@@ -16,7 +16,7 @@ use kvblocks_core::{BlockHash, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 
-use crate::convert::{int_column, IntColumn};
+use crate::convert::int_column;
 use crate::errors::IntoPyResult;
 use crate::events::{take_events, EventState, RequestTokens};
 use crate::pool::{block_hash, PyBlockPool};
@@ -100,7 +100,7 @@ enum RequestArg<'py> {
 impl<'py> RequestArg<'py> {
     fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
         if let Ok(native) = request.cast::<PyRequest>() {
-            return Ok(Self::Native(native.borrow()));
+            return Ok(Self::Native(native.try_borrow()?));
         }
         Ok(Self::Duck {
             request_id: request.getattr("request_id")?.extract()?,
@@ -276,9 +276,9 @@ impl PyKVCacheManager {
 
     /// The pool the block tables draw from.
     #[getter]
-    fn block_pool(slf: &Bound<'_, Self>) -> PyBlockPool {
-        let block_size = slf.borrow().block_size;
-        PyBlockPool::of_manager(slf.clone().unbind(), block_size)
+    fn block_pool(slf: &Bound<'_, Self>) -> PyResult<PyBlockPool> {
+        let block_size = slf.try_borrow()?.block_size;
+        Ok(PyBlockPool::of_manager(slf.clone().unbind(), block_size))
     }
 
     /// Tokens per block.
@@ -376,9 +376,11 @@ impl PyKVCacheManager {
         num_external_computed_tokens: i64,
         delay_cache_blocks: bool,
     ) -> PyResult<Option<Vec<u32>>> {
-        let hits = match new_computed_blocks {
-            Some(blocks) => int_column(blocks)?,
-            None => IntColumn::Owned(Vec::new()),
+        // Copied, not borrowed: reading the request below runs Python code, which must
+        // not see (or change) an array the call still reads.
+        let hits: Vec<i64> = match new_computed_blocks {
+            Some(blocks) => int_column(blocks)?.to_vec(),
+            None => Vec::new(),
         };
         let slots = SlotRequest {
             num_new_tokens,
@@ -401,7 +403,7 @@ impl PyKVCacheManager {
     /// eviction order. An unknown request is a no-op.
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id = match request.cast::<PyRequest>() {
-            Ok(native) => native.borrow().request_id().to_owned(),
+            Ok(native) => native.try_borrow()?.request_id().to_owned(),
             Err(_) => request.getattr("request_id")?.extract()?,
         };
         self.inner.free(&request_id).py()

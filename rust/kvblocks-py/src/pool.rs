@@ -201,17 +201,22 @@ impl PyBlockPool {
         }
     }
 
-    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&CorePool) -> R) -> R {
+    /// Runs `f` on the pool. A manager's pool is borrowed from the manager for the
+    /// call; if the manager is itself in the middle of a call (Python code it ran, such
+    /// as a request's `block_hashes`, reached back into the pool), this raises
+    /// `RuntimeError` instead of touching state that call is changing.
+    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&CorePool) -> R) -> PyResult<R> {
         match &self.source {
-            PoolSource::Own(pool) => f(pool),
-            PoolSource::Manager(m) => f(m.bind(py).borrow().inner.block_pool()),
+            PoolSource::Own(pool) => Ok(f(pool)),
+            PoolSource::Manager(m) => Ok(f(m.bind(py).try_borrow()?.inner.block_pool())),
         }
     }
 
-    fn with_mut<R>(&mut self, py: Python<'_>, f: impl FnOnce(&mut CorePool) -> R) -> R {
+    /// [`Self::with`] for calls that change the pool.
+    fn with_mut<R>(&mut self, py: Python<'_>, f: impl FnOnce(&mut CorePool) -> R) -> PyResult<R> {
         match &mut self.source {
-            PoolSource::Own(pool) => f(pool),
-            PoolSource::Manager(m) => f(m.bind(py).borrow_mut().inner.block_pool_mut()),
+            PoolSource::Own(pool) => Ok(f(pool)),
+            PoolSource::Manager(m) => Ok(f(m.bind(py).try_borrow_mut()?.inner.block_pool_mut())),
         }
     }
 }
@@ -236,13 +241,13 @@ impl PyBlockPool {
 
     /// The number of blocks, including the null block.
     #[getter]
-    fn num_blocks(&self, py: Python<'_>) -> u32 {
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<u32> {
         self.with(py, CorePool::num_blocks)
     }
 
     /// Whether prefix caching is on (see the class docstring).
     #[getter]
-    fn enable_caching(&self, py: Python<'_>) -> bool {
+    fn enable_caching(&self, py: Python<'_>) -> PyResult<bool> {
         self.with(py, CorePool::enable_caching)
     }
 
@@ -268,7 +273,7 @@ impl PyBlockPool {
     ///     ValueError: ``n must be non-negative, got {n}``.
     ///     NoFreeBlocksError: ``Cannot get {n} free blocks from the pool ({free} free)``.
     fn get_new_blocks(&mut self, py: Python<'_>, n: i64) -> PyResult<Vec<u32>> {
-        self.with_mut(py, |p| p.get_new_blocks(n)).py()
+        self.with_mut(py, |p| p.get_new_blocks(n))?.py()
     }
 
     /// Drops one reference to each block, in eviction-priority order.
@@ -289,7 +294,7 @@ impl PyBlockPool {
     ///         repeats more often than its ref count.
     fn free_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = int_column(block_ids)?;
-        self.with_mut(block_ids.py(), |p| p.free_blocks(&ids)).py()
+        self.with_mut(block_ids.py(), |p| p.free_blocks(&ids))?.py()
     }
 
     /// Adds one reference to each block (a prefix-cache hit being adopted).
@@ -305,7 +310,7 @@ impl PyBlockPool {
     ///     UnknownBlockError: an id is out of range.
     fn touch(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = int_column(block_ids)?;
-        self.with_mut(block_ids.py(), |p| p.touch(&ids)).py()
+        self.with_mut(block_ids.py(), |p| p.touch(&ids))?.py()
     }
 
     /// Enters a request's newly full blocks into the prefix cache.
@@ -346,7 +351,7 @@ impl PyBlockPool {
         let hashes = range_hashes(block_hashes, num_cached_blocks, num_full_blocks)?;
         self.with_mut(block_ids.py(), |p| {
             p.cache_full_blocks(&ids, &hashes, num_cached_blocks, num_full_blocks, group)
-        })
+        })?
         .py()
     }
 
@@ -384,7 +389,7 @@ impl PyBlockPool {
             .iter()
             .map(|&g| group_id(g, "kv_cache_group_ids"))
             .collect::<PyResult<Vec<_>>>()?;
-        Ok(self.with(block_hash.py(), |p| p.get_cached_block(&hash, &groups)))
+        self.with(block_hash.py(), |p| p.get_cached_block(&hash, &groups))
     }
 
     /// Finds the longest prefix of a hash chain that is cached, in one call.
@@ -413,7 +418,7 @@ impl PyBlockPool {
         let hashes = block_hashes.try_iter()?.map(|item| block_hash(&item?));
         self.with(block_hashes.py(), |p| {
             p.find_longest_cache_hit(hashes, group)
-        })
+        })?
     }
 
     /// Removes the given blocks from the prefix cache.
@@ -430,7 +435,7 @@ impl PyBlockPool {
     ///     UnknownBlockError: an id is out of range.
     fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = int_column(block_ids)?;
-        self.with_mut(block_ids.py(), |p| p.evict_blocks(&ids))
+        self.with_mut(block_ids.py(), |p| p.evict_blocks(&ids))?
             .py()
             .map(drop)
     }
@@ -440,19 +445,19 @@ impl PyBlockPool {
     /// Returns:
     ///     True when every non-null block was free: all hashes are dropped (the free
     ///     queue order is kept). False, with nothing changed, otherwise.
-    fn reset_prefix_cache(&mut self, py: Python<'_>) -> bool {
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<bool> {
         self.with_mut(py, CorePool::reset_prefix_cache)
     }
 
     /// The number of free blocks, cached ones with ref count 0 included.
-    fn get_num_free_blocks(&self, py: Python<'_>) -> usize {
+    fn get_num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, CorePool::num_free_blocks)
     }
 
     /// The fraction of usable (non-null) blocks in use: ``1 - free / (num_blocks - 1)``.
     ///
     /// 0.0 for a pool with no usable block.
-    fn get_usage(&self, py: Python<'_>) -> f64 {
+    fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
         self.with(py, CorePool::usage)
     }
 
@@ -462,13 +467,13 @@ impl PyBlockPool {
     ///     TypeError: ``block_id`` is not an int.
     ///     UnknownBlockError: ``block_id`` is out of range.
     fn get_block(&self, py: Python<'_>, block_id: i64) -> PyResult<PyKVCacheBlock> {
-        self.with(py, |p| p.block(block_id))
+        self.with(py, |p| p.block(block_id))?
             .py()
             .map(PyKVCacheBlock::from)
     }
 
     /// The free queue, head (next to be allocated) first.
-    fn free_block_ids(&self, py: Python<'_>) -> Vec<u32> {
+    fn free_block_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
         self.with(py, CorePool::free_block_ids)
     }
 
@@ -477,6 +482,6 @@ impl PyBlockPool {
     /// Raises:
     ///     InvariantError: naming the first broken rule.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, CorePool::check_invariants).py()
+        self.with(py, CorePool::check_invariants)?.py()
     }
 }

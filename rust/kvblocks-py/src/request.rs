@@ -342,6 +342,8 @@ impl PyRequest {
     /// Appends the hashes of full blocks not hashed yet (vLLM's method of that name).
     ///
     /// Raises:
+    ///     TypeError: A hash the hasher returned is not ``bytes``.
+    ///     ValueError: A hash the hasher returned is longer than 32 bytes.
     ///     Exception: Whatever the hasher raises; ``block_hashes`` is then unchanged.
     fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();

@@ -471,7 +471,8 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let native = kv_cache_manager
         .cast::<PyKVCacheManager>()
         .ok()
-        .map(Bound::borrow);
+        .map(Bound::try_borrow)
+        .transpose()?;
     let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
     let invalid = int_column(invalid_block_ids)?;
     let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
@@ -555,7 +556,8 @@ pub fn handle_invalid_blocks<'py>(
     let native = kv_cache_manager
         .cast::<PyKVCacheManager>()
         .ok()
-        .map(Bound::borrow);
+        .map(Bound::try_borrow)
+        .transpose()?;
     let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
     let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
     let invalid = int_column(invalid_block_ids)?;
@@ -586,7 +588,7 @@ pub fn handle_invalid_blocks<'py>(
         match kv_cache_manager.cast::<PyKVCacheManager>() {
             Ok(native) => {
                 native
-                    .borrow_mut()
+                    .try_borrow_mut()?
                     .inner
                     .evict_blocks(&outcome.evicted_block_ids)
                     .py()?;
