@@ -423,10 +423,7 @@ fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
 }
 
 fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
-    if num_kv_cache_groups(manager)? > 1 {
-        return Err(UnsupportedLayoutError::new_err(MULTIPLE_GROUPS_MESSAGE));
-    }
-    Ok(())
+    rollback::check_single_group(num_kv_cache_groups(manager)?).py()
 }
 
 /// vLLM's ``Scheduler._update_requests_with_invalid_blocks``.
@@ -653,35 +650,49 @@ pub fn handle_failed_recving(
     policy: PolicyArg,
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let policy = policy.get()?;
-    let failed: HashSet<String> = failed_req_ids
+    let py = failed_req_ids.py();
+    let failed = PySet::empty(py)?;
+    for id in failed_req_ids.try_iter()? {
+        failed.add(id?)?;
+    }
+    // Ids are read from every waiting request (to match and to refuse duplicates), token
+    // counts only from the matched ones, as the reference reads them.
+    let waiting: Vec<Bound<'_, PyAny>> = waiting_for_remote_kvs
         .try_iter()?
-        .map(|id| id?.extract())
         .collect::<PyResult<_>>()?;
-    let empty = PyDict::new(failed_req_ids.py()).into_any();
-    let waiting = RequestColumns::gather(waiting_for_remote_kvs, &empty)?;
-    waiting.check_unique(&mut HashSet::new())?;
+    let ids = waiting
+        .iter()
+        .map(|r| r.getattr("request_id"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let seen = PySet::empty(py)?;
+    for id in &ids {
+        if seen.contains(id)? {
+            return Err(PyValueError::new_err(format!(
+                "request {} appears more than once",
+                id.repr()?
+            )));
+        }
+        seen.add(id)?;
+    }
     let mut matched = Vec::new();
-    let mut lost: u128 = 0;
-    for (i, id) in waiting.ids.iter().enumerate() {
-        if failed.contains(&**id) {
-            let value = waiting.computed[i];
-            let value = u128::try_from(value).map_err(|_| {
-                PyValueError::new_err(format!(
-                    "num_computed_tokens must be non-negative, got {value}"
-                ))
-            })?;
-            lost += value;
+    for (i, id) in ids.iter().enumerate() {
+        if failed.contains(id)? {
             matched.push(i);
         }
     }
+    let computed = matched
+        .iter()
+        .map(|&i| waiting[i].getattr("num_computed_tokens")?.extract::<i64>())
+        .collect::<PyResult<Vec<_>>>()?;
+    let lost = rollback::failed_recving_lost_tokens(&computed).py()?;
     let matched_ids: HashSet<String> = matched
         .iter()
-        .map(|&i| waiting.ids[i].to_string())
-        .collect();
+        .map(|&i| ids[i].extract::<String>())
+        .collect::<PyResult<_>>()?;
     let recompute = matches!(policy, Policy::Recompute);
     if recompute {
         for &i in &matched {
-            waiting.requests[i].setattr("num_computed_tokens", 0)?;
+            waiting[i].setattr("num_computed_tokens", 0)?;
         }
     }
     Ok(PyInvalidBlocksOutcome {

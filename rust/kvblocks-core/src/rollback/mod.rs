@@ -313,6 +313,37 @@ pub struct InvalidBlocksOutcome {
     pub total_affected_tokens: u128,
 }
 
+/// Fails closed when block-level failures cannot be mapped to requests: block ids are
+/// unique only within a KV cache group, so more than one group is refused (vLLM's
+/// `_handle_invalid_blocks` raises the same), before anything else is looked at.
+///
+/// # Errors
+/// [`Error::UnsupportedLayout`] with vLLM's message when `num_kv_cache_groups > 1`.
+pub fn check_single_group(num_kv_cache_groups: i64) -> Result<()> {
+    if num_kv_cache_groups > 1 {
+        return Err(Error::UnsupportedLayout(MULTIPLE_GROUPS_MESSAGE.to_owned()));
+    }
+    Ok(())
+}
+
+/// vLLM's `_handle_failed_recving` for the requests a connector reported as failed as a
+/// whole (their async load): the tokens they lose, which is all they had computed.
+/// Under `recompute` the caller rewinds each to 0 and retries it; under `fail` it fails
+/// them and changes nothing.
+///
+/// # Errors
+/// [`Error::Negative`] (`num_computed_tokens`) for the first negative count.
+pub fn failed_recving_lost_tokens(num_computed_tokens: &[i64]) -> Result<u128> {
+    num_computed_tokens.iter().try_fold(0u128, |total, &value| {
+        u128::try_from(value)
+            .map(|v| total + v)
+            .map_err(|_| Error::Negative {
+                name: "num_computed_tokens",
+                value,
+            })
+    })
+}
+
 /// vLLM's `_handle_invalid_blocks`: the async pass over `waiting` (the requests in
 /// `WAITING_FOR_REMOTE_KVS`, whose blocks were never hashed, so no eviction is
 /// collected), then the sync pass over `running`, each with its own marked set, then
@@ -335,9 +366,7 @@ pub fn handle_invalid_blocks<W: BlockTable, R: BlockTable>(
     policy: Policy,
     mode: Mode,
 ) -> Result<InvalidBlocksOutcome> {
-    if num_kv_cache_groups > 1 {
-        return Err(Error::UnsupportedLayout(MULTIPLE_GROUPS_MESSAGE.to_owned()));
-    }
+    check_single_group(num_kv_cache_groups)?;
     let waiting = rollback_invalid_blocks(waiting, invalid_block_ids, block_size, false, mode)?;
     let running = rollback_invalid_blocks(running, invalid_block_ids, block_size, true, mode)?;
     let total_affected_tokens = waiting.total_affected_tokens + running.total_affected_tokens;
