@@ -709,3 +709,26 @@ def test_check_invariants_detects_corruption(corrupt: Callable[[Any], None]) -> 
     corrupt(pool)
     with pytest.raises(InvariantError):
         pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        (([99], [b"a"], -1, 1), UnknownBlockError, "^block id 99 is out of range"),
+        (([99], [1], 0, 1), UnknownBlockError, "^block id 99 is out of range"),
+        (([1], [b"a"], -1, 1, -1), ValueError, "^num_cached_blocks must be non-negative"),
+        (([1, 2], [1], 0, 2), ValueError, "^need 2 block hashes, got 1$"),
+        (([1], [b"x" * 33], 0, 2), ValueError, "^num_full_blocks 2 exceeds the 1 block ids"),
+        (([1], [b"x" * 33], 0, 1, -1), ValueError, "^kv_cache_group_id must be non-negative"),
+    ],
+)
+def test_cache_full_blocks_reports_the_first_fault_in_the_documented_order(
+    backend: ModuleType, args: tuple[Any, ...], error: type[Exception], message: str
+) -> None:
+    """With several faults in one call, both backends name the same one first."""
+    pool = backend.BlockPool(8)
+    pool.get_new_blocks(2)
+    before = state(pool)
+    with pytest.raises(error, match=message):
+        pool.cache_full_blocks(*args)
+    assert state(pool) == before

@@ -202,10 +202,10 @@ impl BlockPool {
     /// not `enable_caching` is set (vLLM's pool does not look at it here).
     ///
     /// # Errors
-    /// In this order: [`Error::Negative`] (`num_cached_blocks`, then `num_full_blocks`);
-    /// [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`]; [`Error::UnknownBlock`]
-    /// for any id in `block_ids`; [`Error::AlreadyHashed`] for the first block in range
-    /// that has a hash or appears twice in the range.
+    /// In this order (the reference's): [`Error::UnknownBlock`] for any id in
+    /// `block_ids`; [`Error::Negative`] (`num_cached_blocks`, then `num_full_blocks`);
+    /// [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`]; [`Error::AlreadyHashed`]
+    /// for the first block in range that has a hash or appears twice in the range.
     pub fn cache_full_blocks(
         &mut self,
         block_ids: &[i64],
@@ -214,27 +214,9 @@ impl BlockPool {
         num_full_blocks: i64,
         group_id: u32,
     ) -> Result<()> {
-        let num_cached = usize::try_from(num_cached_blocks).map_err(|_| Error::Negative {
-            name: "num_cached_blocks",
-            value: num_cached_blocks,
-        })?;
-        let num_full = usize::try_from(num_full_blocks).map_err(|_| Error::Negative {
-            name: "num_full_blocks",
-            value: num_full_blocks,
-        })?;
-        if num_full > block_ids.len() {
-            return Err(Error::TooManyFullBlocks {
-                num_full_blocks: num_full,
-                num_block_ids: block_ids.len(),
-            });
-        }
-        if block_hashes.len() < num_full {
-            return Err(Error::TooFewHashes {
-                needed: num_full,
-                got: block_hashes.len(),
-            });
-        }
-        self.check_ids(block_ids)?;
+        let (num_cached, num_full) =
+            self.check_cache_range(block_ids, num_cached_blocks, num_full_blocks)?;
+        Self::check_cache_lengths(block_ids.len(), block_hashes.len(), num_full)?;
         if num_cached >= num_full {
             return Ok(());
         }
@@ -243,6 +225,56 @@ impl BlockPool {
             .filter_map(|&id| u32::try_from(id).ok())
             .collect();
         self.cache_ids(&blocks, &block_hashes[num_cached..num_full], group_id)
+    }
+
+    /// The first checks of [`Self::cache_full_blocks`], which need no hashes: every id in
+    /// range, then both counts non-negative. Returns the counts. Lets a caller that
+    /// converts hashes lazily (the Python binding) validate in the same order.
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`]; [`Error::Negative`] (`num_cached_blocks`, then
+    /// `num_full_blocks`).
+    pub fn check_cache_range(
+        &self,
+        block_ids: &[i64],
+        num_cached_blocks: i64,
+        num_full_blocks: i64,
+    ) -> Result<(usize, usize)> {
+        self.check_ids(block_ids)?;
+        let num_cached = usize::try_from(num_cached_blocks).map_err(|_| Error::Negative {
+            name: "num_cached_blocks",
+            value: num_cached_blocks,
+        })?;
+        let num_full = usize::try_from(num_full_blocks).map_err(|_| Error::Negative {
+            name: "num_full_blocks",
+            value: num_full_blocks,
+        })?;
+        Ok((num_cached, num_full))
+    }
+
+    /// The length checks of [`Self::cache_full_blocks`]: `num_full` blocks must exist in
+    /// the table and have hashes.
+    ///
+    /// # Errors
+    /// [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`].
+    pub fn check_cache_lengths(
+        num_block_ids: usize,
+        num_hashes: usize,
+        num_full: usize,
+    ) -> Result<()> {
+        if num_full > num_block_ids {
+            return Err(Error::TooManyFullBlocks {
+                num_full_blocks: num_full,
+                num_block_ids,
+            });
+        }
+        if num_hashes < num_full {
+            return Err(Error::TooFewHashes {
+                needed: num_full,
+                got: num_hashes,
+            });
+        }
+        Ok(())
     }
 
     /// One block per group id cached under `block_hash` (the earliest-inserted one for

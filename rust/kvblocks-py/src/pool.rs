@@ -10,7 +10,7 @@ use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList, PySequence};
 
 use crate::convert::{int_column, IntColumn};
 use crate::errors::IntoPyResult;
@@ -29,31 +29,29 @@ pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     BlockHash::new(bytes.as_bytes()).py()
 }
 
-/// The hashes `cache_full_blocks` reads: only those of blocks
-/// `[num_cached_blocks, num_full_blocks)` are converted (callers pass a request's whole
-/// hash list, as vLLM does); the slots before them hold empty placeholders the core
-/// never reads, and the list keeps the caller's length up to `num_full_blocks` so the
-/// core can report too few hashes.
+/// `block_hashes` as a sequence: sequences are indexed in place, any other iterable is
+/// collected first. Items are not converted yet.
+fn hash_sequence<'py>(block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PySequence>> {
+    if let Ok(seq) = block_hashes.cast::<PySequence>() {
+        return Ok(seq.clone());
+    }
+    let items = block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    Ok(PyList::new(block_hashes.py(), items)?
+        .into_any()
+        .cast_into::<PySequence>()?)
+}
+
+/// The hashes `cache_full_blocks` reads: only those of blocks `num_cached ..
+/// num_full` are converted (callers pass a request's whole hash list, as vLLM does);
+/// the slots before them hold empty placeholders the core never reads.
 fn range_hashes(
-    block_hashes: &Bound<'_, PyAny>,
-    num_cached_blocks: i64,
-    num_full_blocks: i64,
+    seq: &Bound<'_, PySequence>,
+    num_cached: usize,
+    num_full: usize,
 ) -> PyResult<Vec<BlockHash>> {
-    // Sequences are indexed in place; any other iterable is collected first.
-    let collected;
-    let seq = if let Ok(seq) = block_hashes.cast::<pyo3::types::PySequence>() {
-        seq
-    } else {
-        let items = block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-        collected = pyo3::types::PyList::new(block_hashes.py(), items)?.into_any();
-        collected.cast::<pyo3::types::PySequence>()?
-    };
-    let len = seq.len()?;
-    let start = usize::try_from(num_cached_blocks).unwrap_or(0);
-    let end = usize::try_from(num_full_blocks).unwrap_or(0).min(len);
     let placeholder = BlockHash::new(&[]).py()?;
-    let mut hashes = vec![placeholder; start.min(end)];
-    for i in start..end {
+    let mut hashes = vec![placeholder; num_cached];
+    for i in num_cached..num_full {
         hashes.push(block_hash(&seq.get_item(i)?)?);
     }
     Ok(hashes)
@@ -346,10 +344,23 @@ impl PyBlockPool {
         num_full_blocks: i64,
         kv_cache_group_id: i64,
     ) -> PyResult<()> {
+        // Validated in the reference's order: ids and counts, the group id, the lengths;
+        // only then are the hashes of the blocks to cache converted.
+        let py = block_ids.py();
         let ids = int_column(block_ids)?;
+        let seq = hash_sequence(block_hashes)?;
+        let (num_cached, num_full) = self
+            .with(py, |p| {
+                p.check_cache_range(&ids, num_cached_blocks, num_full_blocks)
+            })?
+            .py()?;
         let group = group_id(kv_cache_group_id, "kv_cache_group_id")?;
-        let hashes = range_hashes(block_hashes, num_cached_blocks, num_full_blocks)?;
-        self.with_mut(block_ids.py(), |p| {
+        CorePool::check_cache_lengths(ids.len(), seq.len()?, num_full).py()?;
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        let hashes = range_hashes(&seq, num_cached, num_full)?;
+        self.with_mut(py, |p| {
             p.cache_full_blocks(&ids, &hashes, num_cached_blocks, num_full_blocks, group)
         })?
         .py()
