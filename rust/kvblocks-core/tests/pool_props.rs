@@ -118,6 +118,8 @@ impl Model {
         nf: i64,
         g: u32,
     ) -> Result<()> {
+        // The reference's order: ids in range, counts, lengths, then state.
+        let ids = self.check_ids(ids)?;
         let ncu = usize::try_from(nc).map_err(|_| Error::Negative {
             name: "num_cached_blocks",
             value: nc,
@@ -138,7 +140,6 @@ impl Model {
                 got: hashes.len(),
             });
         }
-        let ids = self.check_ids(ids)?;
         if ncu >= nfu {
             return Ok(());
         }
