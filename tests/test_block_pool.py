@@ -732,3 +732,11 @@ def test_cache_full_blocks_reports_the_first_fault_in_the_documented_order(
     with pytest.raises(error, match=message):
         pool.cache_full_blocks(*args)
     assert state(pool) == before
+
+
+def test_flags_are_read_by_truthiness(backend: ModuleType) -> None:
+    pool = backend.BlockPool(4, 0)
+    assert pool.enable_caching is False
+    manager = backend.KVCacheManager(4, 4, enable_caching=1, log_stats=0)
+    assert manager.enable_caching is True
+    assert manager.make_prefix_cache_stats() is None

@@ -15,6 +15,27 @@ use std::ptr;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
+use pyo3::Borrowed;
+
+/// A flag read by truthiness, as the reference's `bool(x)` (`PyO3`'s `bool` accepts only
+/// `True` and `False`).
+#[derive(Clone, Copy)]
+pub struct Flag(pub bool);
+
+impl Flag {
+    /// `True`, for signature defaults.
+    pub const TRUE: Self = Self(true);
+    /// `False`, for signature defaults.
+    pub const FALSE: Self = Self(false);
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        obj.is_truthy().map(Self)
+    }
+}
 
 /// A column of `i64`s borrowed from a Python buffer or converted into a `Vec`.
 pub enum IntColumn {

@@ -16,7 +16,7 @@ use kvblocks_core::{BlockHash, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 
-use crate::convert::int_column;
+use crate::convert::{int_column, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::{take_events, EventState, RequestTokens};
 use crate::pool::{block_hash, PyBlockPool};
@@ -235,21 +235,28 @@ pub struct PyKVCacheManager {
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size, *, enable_caching=true, max_model_len=None, log_stats=false,
-        enable_kv_cache_events=false, kv_events_last_copy_removal=false
-    ))]
-    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
+    #[pyo3(
+        signature = (
+            num_blocks, block_size, *, enable_caching=Flag::TRUE, max_model_len=None,
+            log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE,
+            kv_events_last_copy_removal=Flag::FALSE
+        ),
+        text_signature = "(num_blocks, block_size, *, enable_caching=True, max_model_len=None, log_stats=False, enable_kv_cache_events=False, kv_events_last_copy_removal=False)"
+    )]
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         py: Python<'_>,
         num_blocks: i64,
         block_size: i64,
-        enable_caching: bool,
+        enable_caching: Flag,
         max_model_len: Option<i64>,
-        log_stats: bool,
-        enable_kv_cache_events: bool,
-        kv_events_last_copy_removal: bool,
+        log_stats: Flag,
+        enable_kv_cache_events: Flag,
+        kv_events_last_copy_removal: Flag,
     ) -> PyResult<Self> {
+        let (Flag(enable_caching), Flag(log_stats)) = (enable_caching, log_stats);
+        let (Flag(enable_kv_cache_events), Flag(kv_events_last_copy_removal)) =
+            (enable_kv_cache_events, kv_events_last_copy_removal);
         let mut inner = CoreManager::new(
             num_blocks,
             block_size,
@@ -361,11 +368,14 @@ impl PyKVCacheManager {
     ///         ``request {id} already holds blocks, so it cannot adopt computed tokens``;
     ///         or a block hash of the request is longer than 32 bytes.
     ///     BlockStateError: a block to cache already has a hash.
-    #[pyo3(signature = (
-        request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
-        num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (
+            request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+            num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=Flag::FALSE
+        ),
+        text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False)"
+    )]
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn allocate_slots(
         &mut self,
         request: &Bound<'_, PyAny>,
@@ -374,7 +384,7 @@ impl PyKVCacheManager {
         new_computed_blocks: Option<&Bound<'_, PyAny>>,
         num_lookahead_tokens: i64,
         num_external_computed_tokens: i64,
-        delay_cache_blocks: bool,
+        delay_cache_blocks: Flag,
     ) -> PyResult<Option<Vec<u32>>> {
         // Copied, not borrowed: reading the request below runs Python code, which must
         // not see (or change) an array the call still reads.
@@ -388,7 +398,7 @@ impl PyKVCacheManager {
             new_computed_blocks: &hits,
             num_lookahead_tokens,
             num_external_computed_tokens,
-            delay_cache_blocks,
+            delay_cache_blocks: delay_cache_blocks.0,
         };
         let tokens = RequestTokens::new(self.events.as_ref(), request);
         let before = self.inner.events().len();

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence};
 
-use crate::convert::{int_column, IntColumn};
+use crate::convert::{int_column, Flag, IntColumn};
 use crate::errors::IntoPyResult;
 use crate::manager::PyKVCacheManager;
 
@@ -222,8 +222,12 @@ impl PyBlockPool {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_blocks, enable_caching=true, *, block_size=16))]
-    fn new(num_blocks: i64, enable_caching: bool, block_size: i64) -> PyResult<Self> {
+    #[pyo3(
+        signature = (num_blocks, enable_caching=Flag::TRUE, *, block_size=16),
+        text_signature = "(num_blocks, enable_caching=True, *, block_size=16)"
+    )]
+    fn new(num_blocks: i64, enable_caching: Flag, block_size: i64) -> PyResult<Self> {
+        let Flag(enable_caching) = enable_caching;
         if block_size <= 0 {
             return Err(kvblocks_core::Error::NonPositive {
                 name: "block_size",

@@ -21,7 +21,7 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
 use pyo3::Borrowed;
 
-use crate::convert::{int_column, IntColumn};
+use crate::convert::{int_column, Flag, IntColumn};
 use crate::errors::{IntoPyResult, UnsupportedLayoutError};
 use crate::manager::PyKVCacheManager;
 
@@ -279,7 +279,7 @@ fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
 #[pyo3(
     signature = (
         block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size,
-        *, collect_evictions=true, mode=ModeArg::VLLM
+        *, collect_evictions=Flag::TRUE, mode=ModeArg::VLLM
     ),
     text_signature = "(block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size, *, collect_evictions=True, mode='vllm')"
 )]
@@ -290,7 +290,7 @@ pub fn rollback_invalid_blocks(
     num_scheduled_tokens: &Bound<'_, PyAny>,
     invalid_block_ids: &Bound<'_, PyAny>,
     block_size: i64,
-    collect_evictions: bool,
+    collect_evictions: Flag,
     mode: ModeArg,
 ) -> PyResult<PyRollbackResult> {
     let mode = mode.get()?;
@@ -304,7 +304,7 @@ pub fn rollback_invalid_blocks(
         num_computed_tokens: &computed,
         num_scheduled_tokens: &scheduled,
     };
-    rollback::rollback_invalid_blocks(batch, &invalid, block_size, collect_evictions, mode)
+    rollback::rollback_invalid_blocks(batch, &invalid, block_size, collect_evictions.0, mode)
         .py()
         .map(PyRollbackResult::from)
 }
@@ -448,7 +448,7 @@ fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
 ///     UnsupportedLayoutError: The manager has more than one KV cache group.
 #[pyfunction]
 #[pyo3(
-    signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=true, mode=ModeArg::VLLM),
+    signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=Flag::TRUE, mode=ModeArg::VLLM),
     text_signature = "(kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=True, mode='vllm')"
 )]
 #[allow(clippy::needless_pass_by_value)]
@@ -458,7 +458,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     requests: &Bound<'py, PyAny>,
     invalid_block_ids: &Bound<'py, PyAny>,
     num_scheduled_tokens: &Bound<'py, PyAny>,
-    evict_blocks: bool,
+    evict_blocks: Flag,
     mode: ModeArg,
 ) -> PyResult<(HashSet<String>, u128, Bound<'py, PySet>)> {
     let mode = mode.get()?;
@@ -480,7 +480,8 @@ pub fn update_requests_with_invalid_blocks<'py>(
         num_scheduled_tokens: &cols.scheduled,
     };
     let result =
-        rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks, mode).py()?;
+        rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks.0, mode)
+            .py()?;
     drop(native);
     let affected = cols.apply(&result)?;
     let to_evict = PySet::new(py, &result.blocks_to_evict)?;
