@@ -619,3 +619,32 @@ def test_a_failed_eviction_leaves_every_request_as_it_was(backend: ModuleType) -
     with pytest.raises(UnknownBlockError, match="block id 5000 is out of range"):
         backend.handle_invalid_blocks(manager, {R1_IDS[50]}, {"r1": 16}, running=[r1])
     assert r1.num_computed_tokens == 1600
+
+
+@pytest.mark.parametrize("mode", ["vllm", "strict"])
+def test_recompute_in_strict_mode_leaves_no_stale_block_reachable(
+    backend: ModuleType, mode: str
+) -> None:
+    """vLLM's recompute keeps invalid blocks hashed until they are rewritten, so a prefix
+    hit meanwhile reads stale KV; strict mode evicts the rescheduled request's tail."""
+    hasher = backend.BlockHasher(4, "sha256", "0")
+    manager = backend.KVCacheManager(64, 4)
+    prompt = list(range(17))
+    r1 = backend.Request("r1", prompt, block_hasher=hasher)
+    assert manager.allocate_slots(r1, 17) is not None
+    r1.num_computed_tokens = 17
+    table = manager.get_block_ids("r1")[0]
+    outcome = backend.handle_invalid_blocks(
+        manager, {table[1]}, {"r1": 1}, running=[r1], policy="recompute", mode=mode
+    )
+    assert outcome.rescheduled_req_ids == {"r1"}
+    assert r1.num_computed_tokens == 4
+    probe = backend.Request("probe", prompt, block_hasher=hasher)
+    hits, num_hit = manager.get_computed_blocks(probe)
+    if mode == "strict":
+        assert outcome.evicted_block_ids == set(table[1:])
+        assert hits == table[:1] and num_hit == 4
+    else:
+        assert outcome.evicted_block_ids == set()
+        assert hits == table[:4] and num_hit == 16  # the stale blocks are still hit
+    manager.block_pool.check_invariants()

@@ -295,8 +295,10 @@ def handle_invalid_blocks(
     eviction is collected) and the sync pass (``running``) each have their own marked
     set, so a block shared between an async and a sync request is recomputed by both.
     Under ``fail`` the sync pass's blocks are evicted and every affected request is
-    failed; under ``recompute`` nothing is evicted, the sync requests are rescheduled
-    and the async ones retried.
+    failed; under ``recompute`` the sync requests are rescheduled and the async ones
+    retried, and nothing is evicted in ``vllm`` mode (the blocks keep their hashes until
+    they are rewritten, so a prefix hit before that reads stale KV), while ``strict``
+    mode evicts the sync pass's blocks too.
 
     Args:
         kv_cache_manager: Source of the block tables and ``block_size``; receives
@@ -345,8 +347,9 @@ def handle_invalid_blocks(
         mode=mode,
     )
     evicted_block_ids: set[int] = set()
-    if sync_result.blocks_to_evict and not recompute:
-        # Under recompute the blocks keep their hashes and are rewritten in place.
+    if sync_result.blocks_to_evict and (not recompute or mode == "strict"):
+        # vLLM's recompute keeps the hashes and rewrites the blocks in place; strict
+        # mode does not leave them reachable by prefix hits meanwhile.
         evicted_block_ids = set(sync_result.blocks_to_evict)
         kv_cache_manager.evict_blocks(evicted_block_ids)
     async_affected = _apply(async_requests, async_result)

@@ -324,7 +324,8 @@ class Checker:
         pool = sim.pool
         name = "handle_invalid_blocks"
         if policy == "recompute":
-            if outcome.failed_req_ids or outcome.evicted_block_ids:
+            # vLLM's recompute keeps the blocks hashed; strict mode evicts the sync tails.
+            if outcome.failed_req_ids or (mode == "vllm" and outcome.evicted_block_ids):
                 raise CheckError(step, name, "recompute failed requests or evicted blocks")
         elif outcome.rescheduled_req_ids or outcome.retry_req_ids:
             raise CheckError(step, name, "fail rescheduled or retried requests")
@@ -359,7 +360,7 @@ class Checker:
                 raise CheckError(
                     step, name, f"strict: {rid} at {now}, its first invalid block is {hit[0]}"
                 )
-            if policy == "fail" and is_sync:
+            if is_sync and (policy == "fail" or mode == "strict"):
                 # The tail a truncating request collected was evicted.
                 left = self._hashed(pool, s.table[now // size :]) if truncated else []
                 if left:

@@ -280,7 +280,12 @@ proptest! {
             prop_assert_eq!(&out.rescheduled_running, &running.affected);
             prop_assert_eq!(&out.retry_waiting, &waiting.affected);
             prop_assert!(out.failed_running.is_empty() && out.failed_waiting.is_empty());
-            prop_assert!(out.evicted_block_ids.is_empty());
+            // Strict mode evicts the rescheduled requests' tails; vLLM mode keeps them.
+            if strict {
+                prop_assert_eq!(&out.evicted_block_ids, &running.blocks_to_evict);
+            } else {
+                prop_assert!(out.evicted_block_ids.is_empty());
+            }
         } else {
             prop_assert_eq!(&out.failed_running, &running.affected);
             prop_assert_eq!(&out.failed_waiting, &waiting.affected);

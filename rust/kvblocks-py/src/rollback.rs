@@ -494,8 +494,10 @@ pub fn update_requests_with_invalid_blocks<'py>(
 /// eviction is collected) and the sync pass (``running``) each have their own marked
 /// set, so a block shared between an async and a sync request is recomputed by both.
 /// Under ``fail`` the sync pass's blocks are evicted and every affected request is
-/// failed; under ``recompute`` nothing is evicted, the sync requests are rescheduled
-/// and the async ones retried.
+/// failed; under ``recompute`` the sync requests are rescheduled and the async ones
+/// retried, and nothing is evicted in ``vllm`` mode (the blocks keep their hashes until
+/// they are rewritten, so a prefix hit before that reads stale KV), while ``strict``
+/// mode evicts the sync pass's blocks too.
 ///
 /// Args:
 ///     kv_cache_manager: Source of the block tables and ``block_size``; receives

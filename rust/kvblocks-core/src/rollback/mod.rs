@@ -49,7 +49,9 @@ pub enum Mode {
     /// first request (in iteration order) that meets them.
     #[default]
     Vllm,
-    /// Every request truncates at its own first invalid block and collects its own tail.
+    /// Every request truncates at its own first invalid block and collects its own tail;
+    /// under the `recompute` policy those tails are evicted too (vLLM keeps them hashed
+    /// until they are rewritten, so a prefix hit before that reads stale KV).
     Strict,
 }
 
@@ -306,8 +308,9 @@ pub struct InvalidBlocksOutcome {
     /// Waiting requests whose load must be retried once it finishes (`recompute`;
     /// vLLM's `failed_recving_kv_req_ids`).
     pub retry_waiting: Vec<usize>,
-    /// Blocks the caller must evict (`fail`: the sync pass's; `recompute`: none, the
-    /// blocks keep their hashes and are rewritten in place).
+    /// Blocks the caller must evict: the sync pass's under `fail`; under `recompute`,
+    /// none in vLLM mode (the blocks keep their hashes and are rewritten in place) and
+    /// the sync pass's in strict mode (no stale block stays reachable meanwhile).
     pub evicted_block_ids: Vec<i64>,
     /// Tokens rolled back over both passes.
     pub total_affected_tokens: u128,
@@ -380,6 +383,11 @@ pub fn handle_invalid_blocks<W: BlockTable, R: BlockTable>(
         Policy::Recompute => InvalidBlocksOutcome {
             rescheduled_running: running.affected.clone(),
             retry_waiting: waiting.affected.clone(),
+            evicted_block_ids: if mode == Mode::Strict {
+                running.blocks_to_evict.clone()
+            } else {
+                Vec::new()
+            },
             ..InvalidBlocksOutcome::default()
         },
     };
