@@ -5,88 +5,16 @@
 //! the Python tests, which build the msgspec structs.) Also covers the router-grade
 //! `last_copy_removal` option and a hash source without tokens.
 
-use std::collections::BTreeMap;
-use std::ops::Range;
+mod common;
 
+use std::collections::BTreeMap;
+
+use common::{golden, TestRequest};
 use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
 use kvblocks_core::hashing::{BlockHasher, HashAlgo};
-use kvblocks_core::manager::{HashSource, KVCacheManager, RequestView, SlotRequest, TokenSource};
+use kvblocks_core::manager::{KVCacheManager, RequestView, SlotRequest};
 use kvblocks_core::{BlockHash, Error};
 use serde_json::{json, Value};
-
-fn golden(name: &str) -> Vec<Value> {
-    let path = format!("{}/../../tests/golden/{name}", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-/// A request's hashes and tokens: its hash source, which also provides the tokens.
-struct Source {
-    hashes: Vec<BlockHash>,
-    tokens: Vec<i64>,
-}
-
-impl HashSource for Source {
-    fn num_hashes(&self) -> usize {
-        self.hashes.len()
-    }
-
-    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
-        self.hashes[..].hashes(range, out)
-    }
-
-    fn token_source(&self) -> Option<&dyn TokenSource> {
-        Some(&self.tokens)
-    }
-}
-
-struct TestRequest {
-    id: String,
-    source: Source,
-    num_computed: i64,
-}
-
-impl TestRequest {
-    fn new(id: &str, tokens: &[i64], hasher: &BlockHasher) -> Self {
-        let mut r = Self {
-            id: id.to_owned(),
-            source: Source {
-                hashes: Vec::new(),
-                tokens: Vec::new(),
-            },
-            num_computed: 0,
-        };
-        r.append(tokens, hasher);
-        r
-    }
-
-    fn append(&mut self, tokens: &[i64], hasher: &BlockHasher) {
-        let s = &mut self.source;
-        s.tokens.extend(tokens);
-        let unhashed = &s.tokens[s.hashes.len() * hasher.block_size()..];
-        let parent = s.hashes.last().copied();
-        hasher
-            .extend_hashes(
-                &mut s.hashes,
-                unhashed,
-                parent.as_ref().map(BlockHash::as_bytes),
-                None,
-            )
-            .unwrap();
-    }
-
-    fn view(&self) -> RequestView<'_, Source> {
-        RequestView {
-            request_id: &self.id,
-            num_tokens: i64::try_from(self.source.tokens.len()).unwrap(),
-            num_computed_tokens: self.num_computed,
-            block_hashes: &self.source,
-        }
-    }
-}
 
 /// The recorded events in the trace's decoded form (the fields the core knows).
 fn decoded(log: &EventLog, block_size: usize) -> Vec<Value> {

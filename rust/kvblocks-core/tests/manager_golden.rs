@@ -4,76 +4,17 @@
 //! `kvblocks_core::hashing`, seeded as the case says (its `none_hash` is checked). Also covers the manager's
 //! argument validation, stats and all-or-nothing behaviour.
 
+mod common;
+
 use std::collections::BTreeMap;
 
+use common::{golden, hex_decode, TestRequest};
 use kvblocks_core::hashing::{BlockHasher, HashAlgo};
 use kvblocks_core::manager::{
     HashSource, KVCacheManager, PrefixCacheStats, RequestView, SlotRequest,
 };
 use kvblocks_core::{BlockHash, Error};
 use serde_json::Value;
-
-fn golden(name: &str) -> Vec<Value> {
-    let path = format!("{}/../../tests/golden/{name}", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn hex_decode(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
-
-/// A request as the golden generator drove it: tokens, hashes kept current, and the
-/// number of computed tokens.
-struct TestRequest {
-    id: String,
-    tokens: Vec<i64>,
-    hashes: Vec<BlockHash>,
-    num_computed: i64,
-}
-
-impl TestRequest {
-    fn new(id: &str, tokens: &[i64], hasher: &BlockHasher) -> Self {
-        let mut r = Self {
-            id: id.to_owned(),
-            tokens: Vec::new(),
-            hashes: Vec::new(),
-            num_computed: 0,
-        };
-        r.append(tokens, hasher);
-        r
-    }
-
-    /// vLLM's block hasher: hash every new full block, chained on the previous one.
-    fn append(&mut self, tokens: &[i64], hasher: &BlockHasher) {
-        self.tokens.extend(tokens);
-        let unhashed = &self.tokens[self.hashes.len() * hasher.block_size()..];
-        let parent = self.hashes.last().copied();
-        hasher
-            .extend_hashes(
-                &mut self.hashes,
-                unhashed,
-                parent.as_ref().map(BlockHash::as_bytes),
-                None,
-            )
-            .unwrap();
-    }
-
-    fn view(&self) -> RequestView<'_, [BlockHash]> {
-        RequestView {
-            request_id: &self.id,
-            num_tokens: i64::try_from(self.tokens.len()).unwrap(),
-            num_computed_tokens: self.num_computed,
-            block_hashes: &self.hashes[..],
-        }
-    }
-}
 
 fn as_ids(v: &Value) -> Vec<u32> {
     v.as_array()

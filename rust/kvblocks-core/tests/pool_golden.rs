@@ -1,36 +1,14 @@
 //! Replays every case of `tests/golden/block_pool.jsonl` (vLLM 0.33.0 `BlockPool`
 //! traces) and compares the full observable state after every operation.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
+mod common;
 
+use std::collections::BTreeMap;
+
+use common::{golden, hex, hex_decode};
 use kvblocks_core::pool::BlockPool;
 use kvblocks_core::{BlockHash, Error};
 use serde_json::Value;
-
-fn golden(name: &str) -> Vec<Value> {
-    let path = format!("{}/../../tests/golden/{name}", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("valid JSON line"))
-        .collect()
-}
-
-fn hex_decode(s: &str) -> Vec<u8> {
-    assert!(s.len() % 2 == 0, "odd hex length: {s}");
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
-        .collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().fold(String::new(), |mut s, b| {
-        write!(s, "{b:02x}").expect("write to String");
-        s
-    })
-}
 
 fn hash(v: &Value) -> BlockHash {
     BlockHash::new(&hex_decode(v.as_str().expect("hash is a hex string")))
