@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,3 +32,16 @@ def load_golden(name: str) -> list[dict[str, Any]]:
 def golden_params(name: str) -> list[Any]:
     """``pytest.param`` per golden case, with an id naming file and line."""
     return [pytest.param(case, id=f"{name}:{i + 1}") for i, case in enumerate(load_golden(name))]
+
+
+#: What a call did, comparable across backends: ``("ok", result)`` or
+#: ``("error", class, message)``.
+Outcome = tuple[Any, ...]
+
+
+def outcome(call: Callable[[], Any]) -> Outcome:
+    """``("ok", result)`` or ``("error", class, message)``: what a call did, comparably."""
+    try:
+        return ("ok", call())
+    except Exception as exc:  # the point is to compare whatever is raised
+        return ("error", type(exc), str(exc))

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 import numpy as np
+from conftest import outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvblocks.reference import scheduler as reference
@@ -274,14 +274,6 @@ def test_handle_invalid_blocks_is_two_passes_and_the_policy(
         assert manager.evict_calls == []
 
 
-def outcome_of(call: Any) -> tuple[str, Any]:
-    """``("ok", result)`` or ``("error", (class, message))`` of ``call()``."""
-    try:
-        return "ok", call()
-    except Exception as exc:  # the comparison is the point
-        return "error", (type(exc), str(exc))
-
-
 small = st.integers(-2, 9)
 hostile_args = st.tuples(
     st.lists(st.lists(st.integers(-2, 6), max_size=4), max_size=4),  # block tables
@@ -301,8 +293,8 @@ def test_every_backend_raises_what_the_reference_raises(
 ) -> None:
     tables = args[0]
     snapshot = [list(t) for t in tables]
-    got = outcome_of(lambda: backend.rollback_invalid_blocks(*args, mode=mode))
-    expected = outcome_of(lambda: reference.rollback_invalid_blocks(*args, mode=mode))
+    got = outcome(lambda: backend.rollback_invalid_blocks(*args, mode=mode))
+    expected = outcome(lambda: reference.rollback_invalid_blocks(*args, mode=mode))
     if got[0] == "ok" and expected[0] == "ok":
         for name in ("num_computed_tokens", "affected", "total_affected_tokens"):
             assert getattr(got[1], name) == getattr(expected[1], name)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from conftest import Outcome, outcome
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -37,16 +38,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-Outcome = tuple[Any, ...]
-
-
-def outcome(call: Callable[[], Any]) -> Outcome:
-    """``("ok", result)`` or ``("error", class, message)``: what a call did, comparably."""
-    try:
-        return ("ok", call())
-    except Exception as exc:  # the point is to compare whatever is raised
-        return ("error", type(exc), str(exc))
 
 
 class Pair:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from conftest import Outcome, outcome
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -49,16 +50,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-Outcome = tuple[Any, ...]
-
-
-def outcome(call: Callable[[], Any]) -> Outcome:
-    """``("ok", result)`` or ``("error", class, message)``: what a call did, comparably."""
-    try:
-        return ("ok", call())
-    except Exception as exc:  # the point is to compare whatever is raised
-        return ("error", type(exc), str(exc))
 
 
 def block_tuple(pool: Any, block_id: int) -> tuple[Any, ...]:
