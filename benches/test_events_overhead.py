@@ -12,7 +12,6 @@ events. ``KVBLOCKS_BENCH_FULL=1`` runs the full size.
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from kvblocks import BACKEND_MODULES, load_backend
 from kvblocks.events import KVEventBatch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-BACKEND_MODULES = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
 FULL = os.environ.get("KVBLOCKS_BENCH_FULL") == "1"
 MODES = ("off", "on", "on+encode")
 #: Script entries between two take_events() calls (about one scheduler step).
@@ -106,7 +105,7 @@ def run(backend: ModuleType, state: tuple[Any, Any], mode: str) -> int:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend_name", sorted(BACKEND_MODULES))
 def test_events_overhead(benchmark: BenchmarkFixture, backend_name: str, mode: str) -> None:
-    backend = importlib.import_module(BACKEND_MODULES[backend_name])
+    backend = load_backend(backend_name)
     benchmark.group = "events overhead"
     benchmark.name = f"chat events {mode}[{backend_name}]"
 

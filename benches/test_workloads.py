@@ -12,7 +12,6 @@ without ``--quick``); the default sizes are ``--quick``'s, which CI runs once ea
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import pickle
 import random
@@ -20,10 +19,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from kvblocks import BACKEND_MODULES, load_backend
 from kvblocks.bench.workloads import Workload, all_workloads
 from pytest_benchmark.fixture import BenchmarkFixture
 
-BACKEND_MODULES = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
 QUICK = os.environ.get("KVBLOCKS_BENCH_FULL") != "1"
 WORKLOADS = all_workloads(quick=QUICK)
 
@@ -32,7 +31,7 @@ WORKLOADS = all_workloads(quick=QUICK)
 def backend(request: pytest.FixtureRequest) -> tuple[str, ModuleType]:
     """``(name, module)`` of the backend under test."""
     name: str = request.param
-    return name, importlib.import_module(BACKEND_MODULES[name])
+    return name, load_backend(name)
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,16 +9,15 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from kvblocks import BACKEND_MODULES, load_backend
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-
-BACKEND_MODULES = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
 
 
 @pytest.fixture(params=sorted(BACKEND_MODULES), ids=lambda name: f"backend={name}")
 def backend(request: pytest.FixtureRequest) -> ModuleType:
     """The backend module under test: ``kvblocks.reference`` or ``kvblocks._native``."""
-    return importlib.import_module(BACKEND_MODULES[request.param])
+    return load_backend(request.param)
 
 
 def load_golden(name: str) -> list[dict[str, Any]]:

@@ -637,3 +637,14 @@ def test_request_code_reaching_back_into_the_pool_never_panics(backend: ModuleTy
     else:
         assert allocated == [1, 2, 3]
     pool.check_invariants()
+
+
+def test_prefix_cache_stats_record_a_reset(backend: ModuleType) -> None:
+    manager = backend.KVCacheManager(8, 4, log_stats=True)
+    assert manager.make_prefix_cache_stats().reset is False
+    request = DuckRequest("r", 5, [b"a"])
+    manager.record_prefix_cache_stats(request, 4)
+    assert manager.reset_prefix_cache() is True
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits, stats.reset) == (1, 5, 4, True)
+    assert manager.make_prefix_cache_stats().reset is False

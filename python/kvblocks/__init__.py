@@ -7,6 +7,7 @@ when ``KVBLOCKS_BACKEND=python`` is set. ``kvblocks.BACKEND`` names the one in u
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from types import ModuleType
@@ -37,16 +38,30 @@ BACKEND_NAMES: tuple[str, ...] = (
 )
 
 
+#: The module of each backend, by the name ``KVBLOCKS_BACKEND`` and ``BACKEND`` use.
+BACKEND_MODULES: dict[str, str] = {"rust": "kvblocks._native", "python": "kvblocks.reference"}
+
+
+def load_backend(name: str) -> ModuleType:
+    """The backend module called ``name`` (``"rust"`` or ``"python"``), for running both.
+
+    Raises:
+        ValueError: Unknown name.
+        ImportError: The module cannot be imported.
+    """
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_MODULES)}, got {name!r}")
+    return importlib.import_module(BACKEND_MODULES[name])
+
+
 def _load_backend() -> tuple[str, ModuleType]:
     requested = os.environ.get("KVBLOCKS_BACKEND", "").strip().lower()
-    if requested not in ("", "rust", "python"):
+    if requested not in ("", *BACKEND_MODULES):
         raise ImportError(f"KVBLOCKS_BACKEND must be 'rust' or 'python', got {requested!r}")
     if requested == "python":
-        from kvblocks import reference
-
-        return "python", reference
+        return "python", load_backend("python")
     try:
-        from kvblocks import _native
+        native = load_backend("rust")
     except ImportError as exc:
         if requested == "rust":
             raise
@@ -57,10 +72,8 @@ def _load_backend() -> tuple[str, ModuleType]:
             RuntimeWarning,
             stacklevel=3,
         )
-        from kvblocks import reference
-
-        return "python", reference
-    return "rust", _native
+        return "python", load_backend("python")
+    return "rust", native
 
 
 BACKEND, _backend = _load_backend()
@@ -80,6 +93,7 @@ update_requests_with_invalid_blocks = _backend.update_requests_with_invalid_bloc
 
 __all__ = [
     "BACKEND",
+    "BACKEND_MODULES",
     "BACKEND_NAMES",
     "BlockHasher",
     "BlockPool",
@@ -97,6 +111,7 @@ __all__ = [
     "UnsupportedLayoutError",
     "handle_failed_recving",
     "handle_invalid_blocks",
+    "load_backend",
     "rollback_invalid_blocks",
     "update_requests_with_invalid_blocks",
 ]

@@ -18,11 +18,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import TextIO
 
+from kvblocks import load_backend
 from kvblocks.bench.workloads import Workload, all_workloads
 
 __all__ = ["BenchResult", "run", "vllm_status"]
-
-BACKENDS = {"python": "kvblocks.reference", "rust": "kvblocks._native"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +84,7 @@ def run(
     progress: TextIO | None = sys.stderr,
 ) -> list[BenchResult]:
     """Times every workload on both backends, ``rounds`` times each, interleaved."""
-    backends = {name: importlib.import_module(mod) for name, mod in BACKENDS.items()}
+    backends = {name: load_backend(name) for name in ("python", "rust")}
     results = []
     total = len(selected) * rounds
     for i, workload in enumerate(selected):

@@ -15,6 +15,7 @@ returns ``None`` leaves the manager and its pool exactly as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -412,8 +413,15 @@ class KVCacheManager:
         self._block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``)."""
-        return self._block_pool.reset_prefix_cache()
+        """Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``).
+
+        On success the prefix-cache stats (with ``log_stats``) are marked ``reset``.
+        """
+        if not self._block_pool.reset_prefix_cache():
+            return False
+        if self._prefix_cache_stats is not None:
+            self._prefix_cache_stats = dataclasses.replace(self._prefix_cache_stats, reset=True)
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events recorded since the last call, oldest first.
@@ -459,7 +467,7 @@ class KVCacheManager:
         if stats is not None:
             # Counters only grow: every recorded value was checked non-negative above.
             self._prefix_cache_stats = PrefixCacheStats(
-                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits
+                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
             )
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:

@@ -377,6 +377,8 @@ class PrefixCacheStats:
         requests: Requests recorded (one per admission that looked the cache up).
         queries: Tokens looked up: the sum of the recorded requests' ``num_tokens``.
         hits: Tokens found in the prefix cache.
+        reset: Whether ``KVCacheManager.reset_prefix_cache()`` emptied the cache meanwhile
+            (vLLM's flag of that name).
 
     Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
     or impossible values, and nothing decrements them.
@@ -385,3 +387,4 @@ class PrefixCacheStats:
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    reset: bool = False

@@ -24,7 +24,6 @@ compares two runs' step traces.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from types import ModuleType
@@ -35,7 +34,6 @@ from kvblocks.sim.scheduler import SimResult, Simulator, StepRecord, Summary
 from kvblocks.sim.workload import WORKLOADS
 
 __all__ = [
-    "BACKEND_MODULES",
     "WORKLOADS",
     "CheckError",
     "ExtraCheck",
@@ -45,24 +43,8 @@ __all__ = [
     "StepRecord",
     "Summary",
     "first_trace_difference",
-    "load_backend",
     "run",
 ]
-
-#: ``--backend`` names and their modules.
-BACKEND_MODULES = {"rust": "kvblocks._native", "python": "kvblocks.reference"}
-
-
-def load_backend(name: str) -> ModuleType:
-    """The backend module called ``name`` (``"rust"`` or ``"python"``).
-
-    Raises:
-        ValueError: Unknown name.
-        ImportError: The module cannot be imported.
-    """
-    if name not in BACKEND_MODULES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_MODULES)}, got {name!r}")
-    return importlib.import_module(BACKEND_MODULES[name])
 
 
 def run(

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvblocks.sim import BACKEND_MODULES, first_trace_difference, load_backend, run
+from kvblocks import BACKEND_MODULES, load_backend
+from kvblocks.sim import first_trace_difference, run
 from kvblocks.sim.checks import ExtraCheck
 from kvblocks.sim.config import HASH_ALGOS, MODES, POLICIES, SimConfig
 from kvblocks.sim.report import Progress, summary_table, write_outputs

@@ -17,6 +17,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::Borrowed;
 
+/// `type(obj).__name__`, for error messages.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+}
+
 /// A flag read by truthiness, as the reference's `bool(x)` (`PyO3`'s `bool` accepts only
 /// `True` and `False`).
 #[derive(Clone, Copy)]

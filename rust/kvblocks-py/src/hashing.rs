@@ -28,7 +28,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
-use crate::convert::{int_column_with, IntColumn};
+use crate::convert::{int_column_with, type_name, IntColumn};
 use crate::errors::{to_py, IntoPyResult};
 use crate::request::PyRequest;
 
@@ -47,13 +47,6 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         Ok(Self::Is(obj.to_owned()))
     }
-}
-
-/// `type(obj).__name__`, for error messages.
-pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
 }
 
 // ----------------------------------------------------------------------------- token ids

@@ -150,6 +150,8 @@ impl<'py> RequestArg<'py> {
 ///     requests: Requests recorded (one per admission that looked the cache up).
 ///     queries: Tokens looked up: the sum of the recorded requests' ``num_tokens``.
 ///     hits: Tokens found in the prefix cache.
+///     reset: Whether ``KVCacheManager.reset_prefix_cache()`` emptied the cache meanwhile
+///         (vLLM's flag of that name).
 ///
 /// Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
 /// or impossible values, and nothing decrements them.
@@ -162,24 +164,30 @@ pub struct PyPrefixCacheStats {
     queries: u64,
     #[pyo3(get)]
     hits: u64,
+    #[pyo3(get)]
+    reset: bool,
 }
 
 #[pymethods]
 impl PyPrefixCacheStats {
     #[new]
-    #[pyo3(signature = (requests=0, queries=0, hits=0))]
-    fn new(requests: u64, queries: u64, hits: u64) -> Self {
+    #[pyo3(signature = (requests=0, queries=0, hits=0, reset=false))]
+    fn new(requests: u64, queries: u64, hits: u64, reset: bool) -> Self {
         Self {
             requests,
             queries,
             hits,
+            reset,
         }
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "PrefixCacheStats(requests={}, queries={}, hits={})",
-            self.requests, self.queries, self.hits
+            "PrefixCacheStats(requests={}, queries={}, hits={}, reset={})",
+            self.requests,
+            self.queries,
+            self.hits,
+            if self.reset { "True" } else { "False" }
         )
     }
 }
@@ -190,6 +198,7 @@ impl From<PrefixCacheStats> for PyPrefixCacheStats {
             requests: s.requests,
             queries: s.queries,
             hits: s.hits,
+            reset: s.reset,
         }
     }
 }
@@ -464,6 +473,8 @@ impl PyKVCacheManager {
     }
 
     /// Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``).
+    ///
+    /// On success the prefix-cache stats (with ``log_stats``) are marked ``reset``.
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
     }

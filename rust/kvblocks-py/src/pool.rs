@@ -12,19 +12,14 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence};
 
-use crate::convert::{int_column, Flag, IntColumn};
+use crate::convert::{int_column, type_name, Flag, IntColumn};
 use crate::errors::IntoPyResult;
 use crate::manager::PyKVCacheManager;
 
 /// Converts one Python block hash (`bytes`) into a core `BlockHash`.
 pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     let bytes = obj.cast::<PyBytes>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "block hash must be bytes, got {}",
-            obj.get_type()
-                .name()
-                .map_or_else(|_| "?".to_owned(), |n| n.to_string())
-        ))
+        PyTypeError::new_err(format!("block hash must be bytes, got {}", type_name(obj)))
     })?;
     BlockHash::new(bytes.as_bytes()).py()
 }

@@ -14,9 +14,10 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
+use crate::convert::type_name;
 use crate::errors::to_py;
 use crate::hashing::{
-    into_vec, token_id, token_ids, type_name, Given, NativeRequest, PyBlockHasher, RequestAttrs,
+    into_vec, token_id, token_ids, Given, NativeRequest, PyBlockHasher, RequestAttrs,
 };
 use crate::pool::block_hash;
 
