@@ -117,6 +117,13 @@ def _churn_check(state: Any, result: Any) -> None:
 
 _ADMIT, _DECODE, _FINISH = 0, 1, 2
 
+#: KV cache event handling a chat workload can run with: none, ``take_events()`` about
+#: once a scheduler step, or that plus encoding each batch as vLLM's publisher does.
+EVENT_MODES = ("off", "on", "on+encode")
+
+#: Script entries between two ``take_events()`` calls (about one scheduler step).
+_EVENT_STEP = 32
+
 
 @dataclass(frozen=True, slots=True)
 class _ChatScript:
@@ -126,7 +133,9 @@ class _ChatScript:
     events: list[tuple[int, int, Any]]
 
 
-def _chat_script(num_sessions: int, turns: int, seed: int) -> _ChatScript:
+def _chat_script(
+    num_sessions: int, turns: int, seed: int, concurrency: int, num_blocks: int
+) -> _ChatScript:
     """Multi-turn sessions over one shared system prompt, interleaved like a scheduler."""
     rng = random.Random(seed)
     system = [rng.randrange(32_000) for _ in range(1_024)]
@@ -135,9 +144,10 @@ def _chat_script(num_sessions: int, turns: int, seed: int) -> _ChatScript:
     decoding: dict[int, int] = {}
     events: list[tuple[int, int, Any]] = []
     while remaining or decoding:
-        # Admit new turns while fewer than 64 sessions decode, then one decode step each.
+        # Admit new turns while fewer than `concurrency` sessions decode, then one
+        # decode step each.
         idle = [s for s in remaining if s not in decoding]
-        while idle and len(decoding) < 64:
+        while idle and len(decoding) < concurrency:
             s = idle.pop(rng.randrange(len(idle)))
             history[s] += [rng.randrange(32_000) for _ in range(rng.randint(16, 256))]
             events.append((_ADMIT, s, list(history[s])))
@@ -153,16 +163,27 @@ def _chat_script(num_sessions: int, turns: int, seed: int) -> _ChatScript:
                 remaining[s] -= 1
                 if remaining[s] == 0:
                     del remaining[s]
-    return _ChatScript(num_blocks=16_384, block_size=16, events=events)
+    return _ChatScript(num_blocks=num_blocks, block_size=16, events=events)
 
 
-def _chat_run(script: _ChatScript) -> Callable[[ModuleType, Any], Any]:
+def _chat_run(script: _ChatScript, event_mode: str) -> Callable[[ModuleType, Any], Any]:
     def run(backend: ModuleType, state: Any) -> Any:
         manager, hasher = state
+        encode = None
+        if event_mode == "on+encode":
+            import msgspec
+
+            from kvblocks.events import KVEventBatch
+
+            encoder = msgspec.msgpack.Encoder()
+
+            def encode(events: list[Any]) -> None:
+                encoder.encode(KVEventBatch(ts=0.0, events=events))
+
         live: dict[int, Any] = {}
         turns: dict[int, int] = {}
-        rejected = 0
-        for kind, session, payload in script.events:
+        rejected = num_events = 0
+        for i, (kind, session, payload) in enumerate(script.events):
             if kind == _ADMIT:
                 turn = turns[session] = turns.get(session, 0) + 1
                 request = backend.Request(f"s{session}-{turn}", payload, block_hasher=hasher)
@@ -183,38 +204,70 @@ def _chat_run(script: _ChatScript) -> Callable[[ModuleType, Any], Any]:
                 request = live.pop(session, None)
                 if request is not None:
                     manager.free(request)
-        return rejected
+            if event_mode != "off" and i % _EVENT_STEP == _EVENT_STEP - 1:
+                events = manager.take_events()
+                num_events += len(events)
+                if encode is not None:
+                    encode(events)
+        num_events += len(manager.take_events())
+        return rejected, num_events
 
     return run
 
 
-def _chat_check(state: Any, rejected: Any) -> None:
-    manager, _ = state
-    pool = manager.block_pool
-    pool.check_invariants()
-    assert pool.get_num_free_blocks() == pool.num_blocks - 1, "blocks leaked"
-    assert rejected == 0
+def _chat_check(event_mode: str) -> Callable[[Any, Any], None]:
+    def check(state: Any, result: Any) -> None:
+        manager, _ = state
+        rejected, num_events = result
+        pool = manager.block_pool
+        pool.check_invariants()
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1, "blocks leaked"
+        assert rejected == 0
+        assert (num_events > 0) == (event_mode != "off")
+
+    return check
 
 
-def manager_chat(num_sessions: int = 256, turns: int = 3, seed: int = 0) -> Workload:
-    """A chat-like manager workload: shared system prompt, multi-turn sessions, decodes."""
-    script = _chat_script(num_sessions, turns, seed)
+def manager_chat(
+    num_sessions: int = 256,
+    turns: int = 3,
+    seed: int = 0,
+    *,
+    event_mode: str = "off",
+    concurrency: int = 64,
+    num_blocks: int = 16_384,
+) -> Workload:
+    """A chat-like manager workload: shared system prompt, multi-turn sessions, decodes.
+
+    With ``event_mode`` other than ``"off"`` the manager records KV cache events and the
+    workload takes them about once a scheduler step (the events-overhead group; the pool
+    should then be small enough that cached blocks are reallocated, so that
+    ``BlockRemoved`` events occur too).
+    """
+    if event_mode not in EVENT_MODES:
+        raise ValueError(f"event_mode must be one of {EVENT_MODES}, got {event_mode!r}")
+    script = _chat_script(num_sessions, turns, seed, concurrency, num_blocks)
 
     def setup(backend: ModuleType) -> Any:
         hasher = backend.BlockHasher(script.block_size, "sha256", "0")
-        return backend.KVCacheManager(script.num_blocks, script.block_size), hasher
+        manager = backend.KVCacheManager(
+            script.num_blocks, script.block_size, enable_kv_cache_events=event_mode != "off"
+        )
+        return manager, hasher
 
+    events = "" if event_mode == "off" else f", events {event_mode}"
     return Workload(
-        name="manager_chat",
-        group="manager chat",
+        name="manager_chat" if event_mode == "off" else f"chat_events_{event_mode}",
+        group="manager chat" if event_mode == "off" else "events overhead",
         description=(
-            f"KVCacheManager: {num_sessions} sessions x {turns} turns, shared system prompt"
+            f"KVCacheManager({num_blocks:,}): {num_sessions} sessions x {turns} turns, "
+            f"shared system prompt{events}"
         ),
         ops=len(script.events),
         op_name="event",
         setup=setup,
-        run=_chat_run(script),
-        check=_chat_check,
+        run=_chat_run(script, event_mode),
+        check=_chat_check(event_mode),
     )
 
 
@@ -402,6 +455,14 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
+def _events_available() -> bool:
+    try:
+        import msgspec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _numpy_available() -> bool:
     try:
         import numpy  # noqa: F401
@@ -432,6 +493,13 @@ def all_workloads(quick: bool = False) -> list[Workload]:
     out = [pool_churn()]
     out += [pool_churn(n, num_steps=2_000) for n in scaling]
     out.append(manager_chat(num_sessions=64 if quick else 256))
+    if _events_available():
+        # A pool small enough that cached blocks are reallocated (BlockRemoved events).
+        sessions = 32 if quick else 128
+        out += [
+            manager_chat(sessions, 2, event_mode=mode, concurrency=16, num_blocks=2_048)
+            for mode in EVENT_MODES
+        ]
     out += [hashing(algo) for algo in ALGOS]
     out += [hashing(algo, via="hash_blocks") for algo in ALGOS]
     out.append(rollback(1_000, native_input))
