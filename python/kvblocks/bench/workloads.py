@@ -236,6 +236,8 @@ def manager_chat(
     event_mode: str = "off",
     concurrency: int = 64,
     num_blocks: int = 16_384,
+    name: str = "manager_chat",
+    group: str = "manager chat",
 ) -> Workload:
     """A chat-like manager workload: shared system prompt, multi-turn sessions, decodes.
 
@@ -257,8 +259,8 @@ def manager_chat(
 
     events = "" if event_mode == "off" else f", events {event_mode}"
     return Workload(
-        name="manager_chat" if event_mode == "off" else f"chat_events_{event_mode}",
-        group="manager chat" if event_mode == "off" else "events overhead",
+        name=name,
+        group=group,
         description=(
             f"KVCacheManager({num_blocks:,}): {num_sessions} sessions x {turns} turns, "
             f"shared system prompt{events}"
@@ -497,7 +499,15 @@ def all_workloads(quick: bool = False) -> list[Workload]:
         # A pool small enough that cached blocks are reallocated (BlockRemoved events).
         sessions = 32 if quick else 128
         out += [
-            manager_chat(sessions, 2, event_mode=mode, concurrency=16, num_blocks=2_048)
+            manager_chat(
+                sessions,
+                2,
+                event_mode=mode,
+                concurrency=16,
+                num_blocks=2_048,
+                name=f"chat_events_{mode}",
+                group="events overhead",
+            )
             for mode in EVENT_MODES
         ]
     out += [hashing(algo) for algo in ALGOS]
