@@ -6,19 +6,20 @@ noisy machine slows both alike and the ratio (reference time / native time) hold
 
 from __future__ import annotations
 
-import importlib
+import gc
 import json
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TextIO
+from typing import Any, TextIO
 
 from kvblocks import load_backend
+from kvblocks.bench import vllm_runner
 from kvblocks.bench.workloads import Workload, all_workloads
 
 __all__ = ["BenchResult", "run", "vllm_status"]
@@ -35,6 +36,10 @@ class BenchResult:
     op_name: str
     python_s: list[float]
     rust_s: list[float]
+    #: Timings on vLLM's own code; empty when vLLM was not run (see ``has_vllm``).
+    vllm_s: list[float] = field(default_factory=list)
+    #: Whether vLLM has a counterpart of this workload.
+    has_vllm: bool = False
 
     @property
     def python_per_op(self) -> float:
@@ -47,18 +52,19 @@ class BenchResult:
         return statistics.median(self.rust_s) / self.ops
 
     @property
+    def vllm_per_op(self) -> float | None:
+        """Median vLLM time per operation, in seconds, when vLLM ran."""
+        return statistics.median(self.vllm_s) / self.ops if self.vllm_s else None
+
+    @property
     def ratio(self) -> float:
         """How many times faster the native backend is (median over median)."""
         return statistics.median(self.python_s) / statistics.median(self.rust_s)
 
 
 def vllm_status() -> str:
-    """Why the vLLM column is absent, or the vLLM version when it could run."""
-    try:
-        vllm = importlib.import_module("vllm")
-    except Exception as exc:  # any import failure means "not available"
-        return f"vLLM is not importable here ({type(exc).__name__}: {exc})"
-    return f"vLLM {getattr(vllm, '__version__', '?')} is importable but not wired in"
+    """Why the vLLM column is absent, or the vLLM version that fills it."""
+    return vllm_runner.status()
 
 
 def _progress(done: int, total: int, label: str, out: TextIO) -> None:
@@ -70,11 +76,38 @@ def _progress(done: int, total: int, label: str, out: TextIO) -> None:
 
 
 def _time_once(workload: Workload, backend: ModuleType) -> float:
+    """One timed run on a fresh state.
+
+    Everything that exists before the timed region (every workload's script, the fresh
+    state) is moved to the garbage collector's permanent generation first, as vLLM
+    does with ``gc.freeze()`` once its engine is up: collections during the run scan
+    only what the run itself allocates, not whatever other workloads left in memory.
+    """
     state = workload.setup(backend)
-    start = time.perf_counter()
-    result = workload.run(backend, state)
-    elapsed = time.perf_counter() - start
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.perf_counter()
+        result = workload.run(backend, state)
+        elapsed = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
     workload.check(state, result)
+    return elapsed
+
+
+def _time_vllm_once(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+    """:func:`_time_once` for the vLLM column (its results are checked against the
+    reference in ``benches/test_vllm_column.py``)."""
+    state = setup()
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.perf_counter()
+        run(state)
+        elapsed = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
     return elapsed
 
 
@@ -85,15 +118,18 @@ def run(
 ) -> list[BenchResult]:
     """Times every workload on both backends, ``rounds`` times each, interleaved."""
     backends = {name: load_backend(name) for name in ("python", "rust")}
+    with_vllm = vllm_runner.available()
     results = []
     total = len(selected) * rounds
     for i, workload in enumerate(selected):
-        times: dict[str, list[float]] = {name: [] for name in backends}
+        times: dict[str, list[float]] = {name: [] for name in (*backends, "vllm")}
         for r in range(rounds):
             if progress is not None:
                 _progress(i * rounds + r, total, workload.name, progress)
             for name, backend in backends.items():
                 times[name].append(_time_once(workload, backend))
+            if with_vllm and workload.vllm_setup and workload.vllm_run:
+                times["vllm"].append(_time_vllm_once(workload.vllm_setup, workload.vllm_run))
         results.append(
             BenchResult(
                 workload.name,
@@ -103,6 +139,8 @@ def run(
                 workload.op_name,
                 times["python"],
                 times["rust"],
+                times["vllm"],
+                has_vllm=workload.vllm_run is not None,
             )
         )
     if progress is not None:
@@ -118,24 +156,27 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds / 1e-9:.0f} ns"
 
 
-#: Workloads that also run on vLLM's own code when vLLM is importable (its ``BlockPool``
-#: and the scheduler's rollback method); the others have no vLLM counterpart.
-VLLM_WORKLOADS = ("pool_churn", "rollback")
-
-
 def markdown_table(results: Sequence[BenchResult]) -> str:
     """The results as a Markdown table, with the vLLM column and its footnote."""
     lines = [
         "| workload | what | reference per op | native per op | native speed-up | vLLM 0.33.0 |",
         "|---|---|---:|---:|---:|---|",
     ]
+    absent = False
     for r in results:
-        vllm = "absent¹" if r.name.startswith(VLLM_WORKLOADS) else "—"
+        vllm_per_op = r.vllm_per_op
+        if vllm_per_op is not None:
+            vllm = f"{_fmt_time(vllm_per_op)} / {r.op_name}"
+        elif r.has_vllm:
+            vllm, absent = "absent¹", True
+        else:
+            vllm = "—"
         lines.append(
             f"| `{r.name}` | {r.description} | {_fmt_time(r.python_per_op)} / {r.op_name} "
             f"| {_fmt_time(r.rust_per_op)} / {r.op_name} | **{r.ratio:.1f}x** | {vllm} |"
         )
-    lines += ["", f"¹ {vllm_status()}."]
+    if absent:
+        lines += ["", f"¹ {vllm_status()}."]
     return "\n".join(lines)
 
 
@@ -156,6 +197,7 @@ def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
                 "python_per_op_s": r.python_per_op,
                 "rust_per_op_s": r.rust_per_op,
                 "ratio": r.ratio,
+                "vllm_per_op_s": r.vllm_per_op,
             }
             for r in results
         ],

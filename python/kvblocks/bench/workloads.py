@@ -8,12 +8,13 @@ so both backends replay the very same calls and must produce the very same resul
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+from kvblocks.bench import vllm_runner
 
 __all__ = ["ALGOS", "Workload", "all_workloads"]
 
@@ -31,6 +32,10 @@ class Workload:
         setup: ``setup(backend) -> state``: a fresh state, not timed.
         run: ``run(backend, state) -> result``: the timed part.
         check: ``check(state, result)``: raises if the run went wrong, not timed.
+        vllm_setup: ``vllm_setup() -> state`` for the same workload on vLLM's own code
+            (:mod:`kvblocks.bench.vllm_runner`), not timed; None when vLLM has no
+            counterpart.
+        vllm_run: ``vllm_run(state) -> result``: the timed part on vLLM.
     """
 
     name: str
@@ -41,10 +46,8 @@ class Workload:
     setup: Callable[[ModuleType], Any]
     run: Callable[[ModuleType, Any], Any]
     check: Callable[[Any, Any], None]
-
-
-def _digest(*parts: object) -> bytes:
-    return hashlib.sha256(repr(parts).encode()).digest()
+    vllm_setup: Callable[[], Any] | None = None
+    vllm_run: Callable[[Any], Any] | None = None
 
 
 # --------------------------------------------------------------------------- pool churn
@@ -59,15 +62,21 @@ class _ChurnScript:
 
 
 def _churn_script(num_blocks: int, num_steps: int, seed: int) -> _ChurnScript:
+    """Admissions and frees as a serving engine makes them.
+
+    An admission's prompt starts with 0 to 32 blocks of one of 32 shared prefixes
+    (system prompts, few-shot examples: prefix-cache hits once cached) and goes on
+    with 8 to 128 blocks of its own (misses, allocated and cached, and evicted later
+    under pressure). Its lookup covers all but the last block, as vLLM's does.
+    """
     rng = random.Random(seed)
-    families = [[_digest(seed, f, i) for i in range(64)] for f in range(32)]
+    families = [[rng.randbytes(32) for _ in range(32)] for _ in range(32)]
     steps: list[tuple[list[bytes], int, list[bytes], int]] = []
     for _ in range(num_steps):
         if rng.random() < 0.55:
-            chain = families[rng.randrange(len(families))]
-            n = rng.randint(4, 64)
-            # The lookup never covers the last block: vLLM recomputes the last token.
-            steps.append((chain, n, chain[: n - 1], 0))
+            shared = families[rng.randrange(len(families))][: rng.randint(0, 32)]
+            chain = shared + [rng.randbytes(32) for _ in range(rng.randint(8, 128))]
+            steps.append((chain, len(chain), chain[:-1], 0))
         else:
             steps.append(([], 0, [], rng.randrange(1 << 30)))
     return _ChurnScript(num_blocks, steps)
@@ -391,6 +400,10 @@ def rollback(num_requests: int, native_input: str = "numpy", seed: int = 0) -> W
         setup=setup,
         run=run,
         check=check,
+        vllm_setup=lambda: vllm_runner.setup_rollback(
+            data.tables, data.computed, data.scheduled, data.invalid, data.block_size
+        ),
+        vllm_run=vllm_runner.run_rollback,
     )
 
 
@@ -437,6 +450,16 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
         affected, total, to_evict = result
         assert affected and total > 0 and to_evict
 
+    def vllm_setup() -> Any:
+        # A fresh manager hands out blocks in ascending id order, request by request.
+        tables = [
+            list(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
+            for i in range(num_requests)
+        ]
+        return vllm_runner.setup_rollback(
+            tables, [num_tokens] * num_requests, [0] * num_requests, invalid, block_size
+        )
+
     return Workload(
         name=f"rollback_manager_{num_requests}",
         group="rollback manager",
@@ -449,6 +472,8 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
         setup=setup,
         run=run,
         check=check,
+        vllm_setup=vllm_setup,
+        vllm_run=vllm_runner.run_rollback,
     )
 
 
@@ -485,6 +510,8 @@ def pool_churn(num_blocks: int = 65_536, num_steps: int = 3_000, seed: int = 0) 
         setup=_churn_setup(script),
         run=_churn_run(script),
         check=_churn_check,
+        vllm_setup=lambda: vllm_runner.setup_pool_churn(num_blocks),
+        vllm_run=lambda state: vllm_runner.run_pool_churn(state, script.steps),
     )
 
 

@@ -6,40 +6,64 @@
 //! maps to the first block of a per-key list threaded through two flat per-block
 //! arrays, so insert, remove (from anywhere) and lookup are all O(1):
 //!
-//! * `dup_next[b]`: the block inserted after `b` under the same key, or [`NO_BLOCK`];
-//! * `dup_prev[b]`: the block inserted before `b`; for the first block of a key it is
-//!   the key's *last* block (the list is circular backwards), which makes appending
-//!   O(1) without storing a tail per key.
+//! * `next`: the block inserted after `b` under the same key, or [`NO_BLOCK`];
+//! * `prev`: the block inserted before `b`; for the first block of a key it is the
+//!   key's *last* block (the list is circular backwards), which makes appending O(1)
+//!   without storing a tail per key.
+//!
+//! A block's links sit in one 16-byte record with its hash slot and group id, so
+//! caching or evicting a random block touches one cache line of per-block state.
 //!
 //! The hash bytes are interned ([`HashInterner`]): a block stores a 4-byte slot id.
+//! The head of a group-0 key (group 0 is the only group of a full-attention model) is
+//! the interner's tag of the slot, in the record the lookup has just compared, so the
+//! common lookup touches no other memory; other groups' heads are in a map.
 //!
 //! Invariants (checked by [`PrefixMap::check`]):
-//! * a block is cached iff `slot_of[b] != NO_BLOCK`; uncached blocks have no links;
+//! * a block is cached iff its slot is not [`NO_BLOCK`]; uncached blocks have no links;
 //! * every cached block is in the list of its own key exactly once, and every list
 //!   holds only blocks of its key, in insertion order;
 //! * the interner's count of a slot equals the number of cached blocks using it.
 
 use rustc_hash::FxHashMap;
 
-use crate::block_hash::{map_heap_bytes, BlockHash, HashInterner};
+use crate::block_hash::{map_heap_bytes, BlockHash, HashInterner, NO_TAG};
 use crate::error::Result;
 use crate::free_queue::{ix, try_filled_vec};
 
-/// "No block" in the per-block link arrays, and "no hash" in `slot_of`.
+/// "No block" in the per-block links, and "no hash" in a block's slot.
 pub const NO_BLOCK: u32 = u32::MAX;
+
+/// What the prefix map knows of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    /// The interned hash slot, or [`NO_BLOCK`] when the block is not cached.
+    slot: u32,
+    /// The group id; meaningful only while the block is cached.
+    group: u32,
+    prev: u32,
+    next: u32,
+}
+
+const UNCACHED: Entry = Entry {
+    slot: NO_BLOCK,
+    group: 0,
+    prev: NO_BLOCK,
+    next: NO_BLOCK,
+};
+
+// The group-0 head lives in the interner's tag: the two "none" markers must agree.
+const _: () = assert!(NO_TAG == NO_BLOCK);
 
 /// Cached blocks by (hash, group id), duplicates kept in insertion order.
 #[derive(Debug, Clone)]
 pub struct PrefixMap {
     interner: HashInterner,
-    /// (interned hash slot, group id) → the earliest-inserted block still cached.
-    heads: FxHashMap<(u32, u32), u32>,
-    /// `slot_of[b]`: the interned hash slot of block `b`, or [`NO_BLOCK`].
-    slot_of: Vec<u32>,
-    /// `group_of[b]`: the group id of block `b`; meaningful only while it is cached.
-    group_of: Vec<u32>,
-    dup_prev: Vec<u32>,
-    dup_next: Vec<u32>,
+    /// (slot, group) → first block, for groups other than 0 (whose heads are tags).
+    other_heads: FxHashMap<(u32, u32), u32>,
+    /// Number of group-0 keys (slots with a tag).
+    num_group0_keys: usize,
+    entries: Vec<Entry>,
     /// Number of cached blocks.
     num_cached: usize,
 }
@@ -48,23 +72,20 @@ impl PrefixMap {
     /// An empty map for the block ids `0 .. num_blocks`.
     ///
     /// # Errors
-    /// [`crate::Error::InvalidArgument`] when the per-block arrays cannot be allocated.
+    /// [`crate::Error::InvalidArgument`] when the per-block array cannot be allocated.
     pub fn new(num_blocks: u32) -> Result<Self> {
-        let n = ix(num_blocks);
         Ok(Self {
             interner: HashInterner::new(),
-            heads: FxHashMap::default(),
-            slot_of: try_filled_vec(NO_BLOCK, n)?,
-            group_of: try_filled_vec(0, n)?,
-            dup_prev: try_filled_vec(NO_BLOCK, n)?,
-            dup_next: try_filled_vec(NO_BLOCK, n)?,
+            other_heads: FxHashMap::default(),
+            num_group0_keys: 0,
+            entries: try_filled_vec(UNCACHED, ix(num_blocks))?,
             num_cached: 0,
         })
     }
 
     /// The number of distinct (hash, group) keys.
     pub fn num_keys(&self) -> usize {
-        self.heads.len()
+        self.num_group0_keys + self.other_heads.len()
     }
 
     /// The number of cached blocks (duplicates counted).
@@ -74,14 +95,44 @@ impl PrefixMap {
 
     /// Whether `block` is cached under some key (false for unknown ids).
     pub fn is_cached(&self, block: u32) -> bool {
-        self.slot_of.get(ix(block)).is_some_and(|&s| s != NO_BLOCK)
+        self.entries
+            .get(ix(block))
+            .is_some_and(|e| e.slot != NO_BLOCK)
     }
 
     /// The (hash, group id) `block` is cached under.
     pub fn key_of(&self, block: u32) -> Option<(&BlockHash, u32)> {
-        let slot = *self.slot_of.get(ix(block))?;
-        let hash = self.interner.get(slot)?;
-        Some((hash, self.group_of[ix(block)]))
+        let entry = self.entries.get(ix(block))?;
+        Some((self.interner.get(entry.slot)?, entry.group))
+    }
+
+    fn head(&self, slot: u32, group: u32) -> Option<u32> {
+        if group == 0 {
+            Some(self.interner.tag(slot)).filter(|&b| b != NO_BLOCK)
+        } else {
+            self.other_heads.get(&(slot, group)).copied()
+        }
+    }
+
+    /// Makes `block` the first block of an existing key, or of a new one.
+    fn set_head(&mut self, slot: u32, group: u32, block: u32) {
+        if group != 0 {
+            self.other_heads.insert((slot, group), block);
+            return;
+        }
+        if self.interner.tag(slot) == NO_TAG {
+            self.num_group0_keys += 1;
+        }
+        self.interner.set_tag(slot, block);
+    }
+
+    fn remove_head(&mut self, slot: u32, group: u32) {
+        if group != 0 {
+            self.other_heads.remove(&(slot, group));
+        } else if self.interner.tag(slot) != NO_TAG {
+            self.interner.set_tag(slot, NO_TAG);
+            self.num_group0_keys -= 1;
+        }
     }
 
     /// Caches `block` under (`hash`, `group`), after any blocks already under that key.
@@ -89,27 +140,30 @@ impl PrefixMap {
     /// Returns false (changing nothing) if `block` is out of range or already cached.
     pub fn insert(&mut self, block: u32, hash: &BlockHash, group: u32) -> bool {
         let b = ix(block);
-        if b >= self.slot_of.len() || self.slot_of[b] != NO_BLOCK {
+        if self.entries.get(b).is_none_or(|e| e.slot != NO_BLOCK) {
             return false;
         }
         let Some(slot) = self.interner.intern(hash) else {
             return false;
         };
-        self.slot_of[b] = slot;
-        self.group_of[b] = group;
-        self.dup_next[b] = NO_BLOCK;
-        match self.heads.get(&(slot, group)).copied() {
+        let prev = match self.head(slot, group) {
             None => {
-                self.heads.insert((slot, group), block);
-                self.dup_prev[b] = block;
+                self.set_head(slot, group, block);
+                block
             }
             Some(head) => {
-                let last = self.dup_prev[ix(head)];
-                self.dup_next[ix(last)] = block;
-                self.dup_prev[b] = last;
-                self.dup_prev[ix(head)] = block;
+                let last = self.entries[ix(head)].prev;
+                self.entries[ix(last)].next = block;
+                self.entries[ix(head)].prev = block;
+                last
             }
-        }
+        };
+        self.entries[b] = Entry {
+            slot,
+            group,
+            prev,
+            next: NO_BLOCK,
+        };
         self.num_cached += 1;
         true
     }
@@ -118,33 +172,34 @@ impl PrefixMap {
     /// not cached.
     pub fn remove(&mut self, block: u32) -> Option<(BlockHash, u32)> {
         let b = ix(block);
-        let slot = *self.slot_of.get(b)?;
+        let Entry {
+            slot,
+            group,
+            prev,
+            next,
+        } = *self.entries.get(b)?;
         let hash = *self.interner.get(slot)?;
-        let group = self.group_of[b];
-        let key = (slot, group);
-        let (prev, next) = (self.dup_prev[b], self.dup_next[b]);
-        if self.heads.get(&key) == Some(&block) {
+        let head = self.head(slot, group);
+        if head == Some(block) {
             if next == NO_BLOCK {
-                self.heads.remove(&key);
+                self.remove_head(slot, group);
             } else {
                 // `prev` is the key's last block; it stays the last one.
-                self.dup_prev[ix(next)] = prev;
-                self.heads.insert(key, next);
+                self.entries[ix(next)].prev = prev;
+                self.set_head(slot, group, next);
             }
         } else {
-            self.dup_next[ix(prev)] = next;
+            self.entries[ix(prev)].next = next;
             if next == NO_BLOCK {
                 // `block` was the last one: the first block's back link moves to prev.
-                if let Some(&head) = self.heads.get(&key) {
-                    self.dup_prev[ix(head)] = prev;
+                if let Some(head) = head {
+                    self.entries[ix(head)].prev = prev;
                 }
             } else {
-                self.dup_prev[ix(next)] = prev;
+                self.entries[ix(next)].prev = prev;
             }
         }
-        self.dup_prev[b] = NO_BLOCK;
-        self.dup_next[b] = NO_BLOCK;
-        self.slot_of[b] = NO_BLOCK;
+        self.entries[b] = UNCACHED;
         self.interner.release(slot);
         self.num_cached -= 1;
         Some((hash, group))
@@ -152,8 +207,7 @@ impl PrefixMap {
 
     /// The earliest-inserted block still cached under (`hash`, `group`).
     pub fn first(&self, hash: &BlockHash, group: u32) -> Option<u32> {
-        let slot = self.interner.lookup(hash)?;
-        self.heads.get(&(slot, group)).copied()
+        self.head(self.interner.lookup(hash)?, group)
     }
 
     /// One block per group id (see [`PrefixMap::first`]), or `None` if any group misses.
@@ -161,37 +215,32 @@ impl PrefixMap {
         let slot = self.interner.lookup(hash);
         groups
             .iter()
-            .map(|&g| slot.and_then(|s| self.heads.get(&(s, g)).copied()))
+            .map(|&g| slot.and_then(|s| self.head(s, g)))
             .collect()
     }
 
     /// Every cached block with its key, in block id order.
     pub fn cached(&self) -> impl Iterator<Item = (u32, &BlockHash, u32)> + '_ {
-        (0u32..).zip(&self.slot_of).filter_map(|(block, &slot)| {
-            let hash = self.interner.get(slot)?;
-            Some((block, hash, self.group_of[ix(block)]))
+        (0u32..).zip(&self.entries).filter_map(|(block, e)| {
+            let hash = self.interner.get(e.slot)?;
+            Some((block, hash, e.group))
         })
     }
 
     /// Uncaches every block.
     pub fn clear(&mut self) {
         self.interner.clear();
-        self.heads.clear();
-        self.slot_of.fill(NO_BLOCK);
-        self.dup_prev.fill(NO_BLOCK);
-        self.dup_next.fill(NO_BLOCK);
+        self.other_heads.clear();
+        self.num_group0_keys = 0;
+        self.entries.fill(UNCACHED);
         self.num_cached = 0;
     }
 
     /// Heap bytes held, counting hash-map buckets at their allocated size.
     pub fn heap_bytes(&self) -> usize {
-        let per_block = self.slot_of.capacity()
-            + self.group_of.capacity()
-            + self.dup_prev.capacity()
-            + self.dup_next.capacity();
-        per_block * std::mem::size_of::<u32>()
+        self.entries.capacity() * std::mem::size_of::<Entry>()
             + map_heap_bytes(
-                self.heads.capacity(),
+                self.other_heads.capacity(),
                 std::mem::size_of::<((u32, u32), u32)>(),
             )
             + self.interner.heap_bytes()
@@ -205,21 +254,20 @@ impl PrefixMap {
         self.interner
             .check()
             .map_err(|e| format!("hash interner: {e}"))?;
-        let n = self.slot_of.len();
+        let n = self.entries.len();
         let mut holders = vec![0u32; self.interner.slot_limit()];
         let mut cached = 0usize;
-        for (block, &slot) in (0u32..).zip(&self.slot_of) {
-            let b = ix(block);
-            if slot == NO_BLOCK {
-                if self.dup_prev[b] != NO_BLOCK || self.dup_next[b] != NO_BLOCK {
+        for (block, e) in (0u32..).zip(&self.entries) {
+            if e.slot == NO_BLOCK {
+                if e.prev != NO_BLOCK || e.next != NO_BLOCK {
                     return Err(format!("uncached block {block} has duplicate links"));
                 }
                 continue;
             }
-            if self.interner.get(slot).is_none() {
-                return Err(format!("block {block} refers to free hash slot {slot}"));
+            if self.interner.get(e.slot).is_none() {
+                return Err(format!("block {block} refers to free hash slot {}", e.slot));
             }
-            holders[ix(slot)] += 1;
+            holders[ix(e.slot)] += 1;
             cached += 1;
         }
         if cached != self.num_cached {
@@ -236,18 +284,32 @@ impl PrefixMap {
                 ));
             }
         }
+        let group0_keys = self.interner.tags().count();
+        if group0_keys != self.num_group0_keys {
+            return Err(format!(
+                "{group0_keys} group-0 keys are present but the count says {}",
+                self.num_group0_keys
+            ));
+        }
+        let heads = self
+            .interner
+            .tags()
+            .map(|(slot, head)| ((slot, 0), head))
+            .chain(self.other_heads.iter().map(|(&key, &head)| (key, head)));
         let mut listed = 0usize;
-        for (&(slot, group), &head) in &self.heads {
-            let mut before = self.dup_prev.get(ix(head)).copied().unwrap_or(NO_BLOCK);
+        for ((slot, group), head) in heads {
+            let mut before = self.entries.get(ix(head)).map_or(NO_BLOCK, |e| e.prev);
             let mut block = head;
             while block != NO_BLOCK {
-                let b = ix(block);
-                if b >= n || self.slot_of[b] != slot || self.group_of[b] != group {
+                let Some(e) = self.entries.get(ix(block)) else {
+                    return Err(format!("block {block} is listed but out of range"));
+                };
+                if e.slot != slot || e.group != group {
                     return Err(format!(
                         "block {block} is listed under a key it does not hold"
                     ));
                 }
-                if self.dup_prev[b] != before {
+                if e.prev != before {
                     return Err(format!("block {block} has a broken back link"));
                 }
                 listed += 1;
@@ -255,9 +317,9 @@ impl PrefixMap {
                     return Err("a duplicate list has a cycle".to_owned());
                 }
                 before = block;
-                block = self.dup_next[b];
+                block = e.next;
             }
-            if self.dup_prev.get(ix(head)) != Some(&before) {
+            if self.entries.get(ix(head)).map(|e| e.prev) != Some(before) {
                 return Err(format!(
                     "first block {head} does not link back to its last block"
                 ));

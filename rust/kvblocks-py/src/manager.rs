@@ -19,21 +19,21 @@ use pyo3::types::{PyList, PySequence, PyTuple};
 use crate::convert::{int_column, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::{take_events, EventState, RequestTokens};
-use crate::pool::{block_hash, PyBlockPool};
+use crate::pool::{HashSeq, PyBlockPool};
 use crate::request::PyRequest;
 
 /// A duck-typed request's `block_hashes`, converted lazily: the manager asks only for
 /// the ranges a call needs. A Python error met while converting is kept and re-raised
 /// as it was, after the core call returned (having changed nothing).
 struct PyHashes<'py> {
-    seq: Bound<'py, PySequence>,
+    seq: HashSeq<'py>,
     len: usize,
     error: RefCell<Option<PyErr>>,
 }
 
 impl<'py> PyHashes<'py> {
     fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
-        let seq = request.getattr("block_hashes")?.cast_into::<PySequence>()?;
+        let seq = HashSeq::new(request.getattr("block_hashes")?.cast_into::<PySequence>()?);
         let len = seq.len()?;
         Ok(Self {
             seq,
@@ -58,7 +58,7 @@ impl HashSource for PyHashes<'_> {
 
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
         for i in range {
-            match self.seq.get_item(i).and_then(|h| block_hash(&h)) {
+            match self.seq.get(i) {
                 Ok(h) => out.push(h),
                 Err(err) => {
                     *self.error.borrow_mut() = Some(err);

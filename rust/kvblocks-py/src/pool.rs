@@ -10,7 +10,8 @@ use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySequence};
+use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
+use pyo3::{ffi, Borrowed};
 
 use crate::convert::{int_column, type_name, Flag, IntColumn};
 use crate::errors::IntoPyResult;
@@ -36,18 +37,84 @@ fn hash_sequence<'py>(block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
         .cast_into::<PySequence>()?)
 }
 
+/// How a [`HashSeq`] reads its items.
+#[derive(Clone, Copy)]
+enum SeqKind {
+    List,
+    Tuple,
+    Other,
+}
+
+/// A sequence of block hashes, converted one index at a time.
+///
+/// Exact `bytes` items of an exact list or tuple are read through borrowed references,
+/// with one C call for their bytes: reading runs no Python code, so the container
+/// cannot change meanwhile. Other items and sequences take the general path.
+pub struct HashSeq<'py> {
+    seq: Bound<'py, PySequence>,
+    kind: SeqKind,
+}
+
+impl<'py> HashSeq<'py> {
+    /// Reads `seq` by index.
+    pub fn new(seq: Bound<'py, PySequence>) -> Self {
+        let kind = if seq.is_exact_instance_of::<PyList>() {
+            SeqKind::List
+        } else if seq.is_exact_instance_of::<PyTuple>() {
+            SeqKind::Tuple
+        } else {
+            SeqKind::Other
+        };
+        Self { seq, kind }
+    }
+
+    /// `obj` when it is a sequence, else its items collected into a list.
+    fn collect(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        Ok(Self::new(hash_sequence(obj)?))
+    }
+
+    /// The number of items.
+    pub fn len(&self) -> PyResult<usize> {
+        self.seq.len()
+    }
+
+    /// Item `i` as a block hash.
+    pub fn get(&self, i: usize) -> PyResult<BlockHash> {
+        let index = isize::try_from(i).unwrap_or(isize::MAX);
+        let container = self.seq.as_ptr();
+        let item = match self.kind {
+            // SAFETY: GIL held; each returns a borrowed item, or null with IndexError set.
+            SeqKind::List => unsafe { ffi::PyList_GetItem(container, index) },
+            SeqKind::Tuple => unsafe { ffi::PyTuple_GetItem(container, index) },
+            SeqKind::Other => return block_hash(&self.seq.get_item(i)?),
+        };
+        let py = self.seq.py();
+        // SAFETY: `item` is null (error set) or a borrowed reference to a live object.
+        let item = unsafe { Borrowed::from_ptr_or_err(py, item) }?;
+        if !item.is_exact_instance_of::<PyBytes>() {
+            return block_hash(&item);
+        }
+        let mut data: *mut std::ffi::c_char = std::ptr::null_mut();
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `item` is an exact bytes object, so this cannot fail; the buffer lives
+        // as long as the object, which the container keeps alive while no Python code
+        // runs.
+        let bytes = unsafe {
+            ffi::PyBytes_AsStringAndSize(item.as_ptr(), &raw mut data, &raw mut len);
+            std::slice::from_raw_parts(data.cast::<u8>(), usize::try_from(len).unwrap_or(0))
+        };
+        BlockHash::new(bytes).py()
+    }
+}
+
 /// The hashes `cache_full_blocks` reads: only those of blocks `num_cached ..
 /// num_full` are converted (callers pass a request's whole hash list, as vLLM does);
 /// the slots before them hold empty placeholders the core never reads.
-fn range_hashes(
-    seq: &Bound<'_, PySequence>,
-    num_cached: usize,
-    num_full: usize,
-) -> PyResult<Vec<BlockHash>> {
+fn range_hashes(seq: &HashSeq<'_>, num_cached: usize, num_full: usize) -> PyResult<Vec<BlockHash>> {
     let placeholder = BlockHash::new(&[]).py()?;
     let mut hashes = vec![placeholder; num_cached];
     for i in num_cached..num_full {
-        hashes.push(block_hash(&seq.get_item(i)?)?);
+        hashes.push(seq.get(i)?);
     }
     Ok(hashes)
 }
@@ -347,7 +414,7 @@ impl PyBlockPool {
         // only then are the hashes of the blocks to cache converted.
         let py = block_ids.py();
         let ids = int_column(block_ids)?;
-        let seq = hash_sequence(block_hashes)?;
+        let seq = HashSeq::collect(block_hashes)?;
         let (num_cached, num_full) = self
             .with(py, |p| {
                 p.check_cache_range(&ids, num_cached_blocks, num_full_blocks)
@@ -425,10 +492,17 @@ impl PyBlockPool {
         kv_cache_group_id: i64,
     ) -> PyResult<Vec<u32>> {
         let group = group_id(kv_cache_group_id, "kv_cache_group_id")?;
+        let py = block_hashes.py();
+        let is_list_or_tuple = block_hashes.is_exact_instance_of::<PyList>()
+            || block_hashes.is_exact_instance_of::<PyTuple>();
+        if is_list_or_tuple {
+            let seq = HashSeq::new(block_hashes.cast::<PySequence>()?.clone());
+            let hashes = (0..seq.len()?).map(|i| seq.get(i));
+            return self.with(py, |p| p.find_longest_cache_hit(hashes, group))?;
+        }
+        // Any other iterable is read lazily: only up to the first miss.
         let hashes = block_hashes.try_iter()?.map(|item| block_hash(&item?));
-        self.with(block_hashes.py(), |p| {
-            p.find_longest_cache_hit(hashes, group)
-        })?
+        self.with(py, |p| p.find_longest_cache_hit(hashes, group))?
     }
 
     /// Removes the given blocks from the prefix cache.

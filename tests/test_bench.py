@@ -1,0 +1,57 @@
+"""``kvblocks bench``'s report: the vLLM column and the table, without timing anything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvblocks import bench
+from kvblocks.bench import BenchResult, markdown_table, vllm_runner, write_outputs
+
+
+def _result(name: str, *, vllm_s: list[float], has_vllm: bool) -> BenchResult:
+    return BenchResult(
+        name,
+        "group",
+        f"{name} workload",
+        1_000,
+        "step",
+        [0.02, 0.03],
+        [0.002, 0.003],
+        vllm_s,
+        has_vllm=has_vllm,
+    )
+
+
+def test_vllm_column_shows_time_absence_or_no_counterpart() -> None:
+    timed = _result("pool_churn_x", vllm_s=[0.04, 0.05, 0.06], has_vllm=True)
+    missing = _result("rollback_x", vllm_s=[], has_vllm=True)
+    none = _result("manager_chat", vllm_s=[], has_vllm=False)
+    assert timed.vllm_per_op == pytest.approx(50e-6)
+    assert missing.vllm_per_op is None
+    rows = markdown_table([timed, missing, none]).splitlines()
+    assert rows[2].endswith("| **10.0x** | 50.00 µs / step |")
+    assert rows[3].endswith("| absent¹ |")
+    assert rows[4].endswith("| — |")
+    assert rows[-1] == f"¹ {vllm_runner.status()}."
+
+
+def test_no_footnote_when_nothing_is_absent() -> None:
+    table = markdown_table([_result("manager_chat", vllm_s=[], has_vllm=False)])
+    assert "¹" not in table
+
+
+def test_json_carries_every_column(tmp_path: Path) -> None:
+    written = write_outputs([_result("pool_churn_x", vllm_s=[0.05], has_vllm=True)], tmp_path)
+    assert tmp_path / "results.md" in written
+    payload = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    (row,) = payload["results"]
+    assert row["ratio"] == pytest.approx(10.0)
+    assert row["vllm_per_op_s"] == pytest.approx(50e-6)
+    assert payload["meta"]["vllm"] == vllm_runner.status()
+
+
+def test_unknown_workload_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["no_such_workload"], quick=True, rounds=1, out=None) == 2
+    assert "no workload matches no_such_workload" in capsys.readouterr().err
