@@ -31,7 +31,8 @@ def test_vllm_column_shows_time_absence_or_no_counterpart() -> None:
     assert timed.vllm_per_op == pytest.approx(50e-6)
     assert missing.vllm_per_op is None
     rows = markdown_table([timed, missing, none]).splitlines()
-    assert rows[2].endswith("| **10.0x** | 50.00 µs / step |")
+    assert timed.vllm_ratio == pytest.approx(20.0)
+    assert rows[2].endswith("| **10.0x** | 50.00 µs / step (native 20.0x) |")
     assert rows[3].endswith("| absent¹ |")
     assert rows[4].endswith("| — |")
     assert rows[-1] == f"¹ {vllm_runner.status()}."
@@ -49,6 +50,7 @@ def test_json_carries_every_column(tmp_path: Path) -> None:
     (row,) = payload["results"]
     assert row["ratio"] == pytest.approx(10.0)
     assert row["vllm_per_op_s"] == pytest.approx(50e-6)
+    assert row["vllm_ratio"] == pytest.approx(20.0)
     assert payload["meta"]["vllm"] == vllm_runner.status()
 
 

@@ -57,6 +57,13 @@ class BenchResult:
         return statistics.median(self.vllm_s) / self.ops if self.vllm_s else None
 
     @property
+    def vllm_ratio(self) -> float | None:
+        """How many times faster the native backend is than vLLM, when vLLM ran."""
+        if not self.vllm_s:
+            return None
+        return statistics.median(self.vllm_s) / statistics.median(self.rust_s)
+
+    @property
     def ratio(self) -> float:
         """How many times faster the native backend is (median over median)."""
         return statistics.median(self.python_s) / statistics.median(self.rust_s)
@@ -159,14 +166,15 @@ def _fmt_time(seconds: float) -> str:
 def markdown_table(results: Sequence[BenchResult]) -> str:
     """The results as a Markdown table, with the vLLM column and its footnote."""
     lines = [
-        "| workload | what | reference per op | native per op | native speed-up | vLLM 0.33.0 |",
+        "| workload | what | reference per op | native per op | native speed-up "
+        "| vLLM 0.33.0 per op (native speed-up) |",
         "|---|---|---:|---:|---:|---|",
     ]
     absent = False
     for r in results:
-        vllm_per_op = r.vllm_per_op
-        if vllm_per_op is not None:
-            vllm = f"{_fmt_time(vllm_per_op)} / {r.op_name}"
+        vllm_per_op, vllm_ratio = r.vllm_per_op, r.vllm_ratio
+        if vllm_per_op is not None and vllm_ratio is not None:
+            vllm = f"{_fmt_time(vllm_per_op)} / {r.op_name} (native {vllm_ratio:.1f}x)"
         elif r.has_vllm:
             vllm, absent = "absent¹", True
         else:
@@ -198,6 +206,7 @@ def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
                 "rust_per_op_s": r.rust_per_op,
                 "ratio": r.ratio,
                 "vllm_per_op_s": r.vllm_per_op,
+                "vllm_ratio": r.vllm_ratio,
             }
             for r in results
         ],

@@ -8,6 +8,7 @@
 //! Identity tags play no part: CBOR has no memo.
 
 use super::value::{BigInt, Value};
+use super::{Cursor, WordLen};
 
 const UNSIGNED: u8 = 0;
 const NEGATIVE: u8 = 1;
@@ -57,6 +58,36 @@ pub fn dumps_block(out: &mut Vec<u8>, parent: &[u8], tokens: &[i64], extra: Opti
     }
 }
 
+/// Room [`write_plain_block`] needs beyond the parent and five bytes a token: the
+/// heads, `None`, and the slack of the last token's 8-byte store.
+pub(super) const PLAIN_OVERHEAD: usize = 32;
+
+/// Where [`write_plain_block`] puts the bytes of a parent of `parent_len` bytes.
+pub(super) fn plain_parent_offset(parent_len: usize) -> usize {
+    // The array head, then the byte string's head.
+    1 + head(BYTES, parent_len as u64).1
+}
+
+/// [`dumps_block`] with `extra: None` into the front of `out`, for the hot path:
+/// returns the length written, or `None` (having written garbage) when a token is
+/// outside `0 .. 2**32` or `out` is shorter than `parent.len() + 5 * tokens.len() +
+/// PLAIN_OVERHEAD`.
+pub(super) fn write_plain_block(out: &mut [u8], parent: &[u8], tokens: &[i64]) -> Option<usize> {
+    if out.len() < parent.len() + 5 * tokens.len() + PLAIN_OVERHEAD || !all_fit_u32(tokens) {
+        return None;
+    }
+    let mut w = Cursor::new(out);
+    w.put(&[(ARRAY << 5) | 3]);
+    let (bytes_head, len) = head(BYTES, parent.len() as u64);
+    w.put(&bytes_head[..len]);
+    w.put(parent);
+    let (array_head, len) = head(ARRAY, tokens.len() as u64);
+    w.put(&array_head[..len]);
+    w.put_words(tokens, u32_word);
+    w.put(&[NULL]);
+    Some(w.pos())
+}
+
 fn write_value(out: &mut Vec<u8>, value: &Value) {
     match value {
         Value::None => out.push(NULL),
@@ -79,39 +110,55 @@ fn write_value(out: &mut Vec<u8>, value: &Value) {
     }
 }
 
-/// Per size class of an unsigned int (< 24, < 2^8, < 2^16, < 2^32): the initial byte's
-/// additional-information bits and the number of argument bytes after it.
-const U32_INFO: [u64; 4] = [0, 24, 25, 26];
-const U32_ARG_LEN: [u32; 4] = [0, 1, 2, 4];
+/// Per size class of an unsigned int (< 24, < 2^8, < 2^16, < 2^32): the initial byte
+/// (bar the value itself for the first class), how far to shift the byte-swapped value
+/// so that its lowest byte lands just after the head, and the encoded length.
+const U32_HEAD: [u64; 4] = [0, 24, 25, 26];
+const U32_SHIFT: [u32; 4] = [56, 48, 40, 24];
+const U32_LENS: [WordLen; 4] = [WordLen::One, WordLen::Two, WordLen::Three, WordLen::Five];
 
 /// Writes every token as [`write_int`] would, when all of them are in `0 .. 2^32` (the
 /// normal case for token ids); returns false, writing nothing, otherwise.
 ///
 /// The encoding's length depends unpredictably on each token, so it is picked by table
 /// lookup rather than branches: the head byte and the big-endian argument form one
-/// word, whose leading bytes are written as five bytes into reserved slack, and the
-/// cursor advances by the real length.
+/// word, written as one 8-byte store into reserved slack, and the cursor advances by
+/// the real length, so the unused bytes are simply overwritten by what follows.
 fn write_u32_ints(out: &mut Vec<u8>, tokens: &[i64]) -> bool {
-    if !tokens.iter().all(|&t| u32::try_from(t).is_ok()) {
+    if !all_fit_u32(tokens) {
         return false;
     }
     let start = out.len();
     out.resize(start + tokens.len() * 5 + 3, 0);
-    let mut pos = start;
-    for &t in tokens {
-        let v = u64::try_from(t).unwrap_or_default();
-        let class = usize::from(v >= 24) + usize::from(v > 0xff) + usize::from(v > 0xffff);
-        let arg_len = U32_ARG_LEN[class];
-        // [head, argument...] as the top bytes of a big-endian u64; for class 0 the
-        // value itself is the head's additional information.
-        let word = ((U32_INFO[class] << (8 * arg_len)) | v) << (8 * (7 - arg_len));
-        if let Some(slot) = out.get_mut(pos..pos + 8) {
-            slot.copy_from_slice(&word.to_be_bytes());
-        }
-        pos += 1 + arg_len as usize;
-    }
-    out.truncate(pos);
+    let mut w = Cursor::new(out.get_mut(start..).unwrap_or_default());
+    w.put_words(tokens, u32_word);
+    let end = start + w.pos();
+    out.truncate(end);
     true
+}
+
+/// Whether every token is in `0 .. 2**32`. Written as a reduction without early exit
+/// so that it vectorises.
+fn all_fit_u32(tokens: &[i64]) -> bool {
+    // A negative t reinterpreted as u64 has its high bits set.
+    #[allow(clippy::cast_sign_loss)]
+    let high = tokens.iter().fold(0u64, |acc, &t| acc | (t as u64 >> 32));
+    high == 0
+}
+
+/// The encoding of a token already known to be in `0 .. 2**32`, in the first bytes of
+/// an 8-byte word.
+#[inline]
+fn u32_word(t: i64) -> ([u8; 8], WordLen) {
+    // The caller checked that `t` is non-negative.
+    #[allow(clippy::cast_sign_loss)]
+    let v = t as u64;
+    let class = usize::from(v >= 24) + usize::from(v > 0xff) + usize::from(v > 0xffff);
+    // Stored little-endian: the head in byte 0, then the argument big-endian (the
+    // swap puts v's lowest byte at the top; the shift brings it down to byte
+    // `arg_len`). Below 24 the shift leaves v itself in byte 0, as the head.
+    let word = U32_HEAD[class] | (v.swap_bytes() >> U32_SHIFT[class]);
+    (word.to_le_bytes(), U32_LENS[class])
 }
 
 #[inline]
@@ -155,25 +202,33 @@ fn write_bigint(out: &mut Vec<u8>, b: &BigInt) {
 /// A CBOR head: major type and argument, in the shortest form.
 #[inline]
 fn write_head(out: &mut Vec<u8>, major: u8, arg: u64) {
+    let (bytes, len) = head(major, arg);
+    out.extend_from_slice(&bytes[..len]);
+}
+
+/// The bytes of a CBOR head (in the first `len` of the array) and `len`.
+#[inline]
+fn head(major: u8, arg: u64) -> ([u8; 9], usize) {
     // The initial byte: major type in the top 3 bits, then the argument itself (< 24)
     // or how many bytes of it follow (24: 1, 25: 2, 26: 4, 27: 8).
     let major = major << 5;
-    match (u8::try_from(arg), u16::try_from(arg), u32::try_from(arg)) {
-        (Ok(small), _, _) if small < ARG_1 => out.push(major | small),
-        (Ok(byte), _, _) => out.extend_from_slice(&[major | ARG_1, byte]),
-        (_, Ok(half), _) => {
-            out.push(major | ARG_2);
-            out.extend_from_slice(&half.to_be_bytes());
-        }
-        (_, _, Ok(word)) => {
-            out.push(major | ARG_4);
-            out.extend_from_slice(&word.to_be_bytes());
-        }
-        _ => {
-            out.push(major | ARG_8);
-            out.extend_from_slice(&arg.to_be_bytes());
-        }
-    }
+    let mut bytes = [0u8; 9];
+    let (info, arg_len) = match arg {
+        0..=23 => (0, 0),
+        24..=0xff => (ARG_1, 1),
+        0x100..=0xffff => (ARG_2, 2),
+        0x1_0000..=0xffff_ffff => (ARG_4, 4),
+        _ => (ARG_8, 8),
+    };
+    // Below 24 the argument is the additional information itself.
+    let small = if arg_len == 0 {
+        u8::try_from(arg).unwrap_or_default()
+    } else {
+        info
+    };
+    bytes[0] = major | small;
+    bytes[1..=arg_len].copy_from_slice(&arg.to_be_bytes()[8 - arg_len..]);
+    (bytes, 1 + arg_len)
 }
 
 #[cfg(test)]

@@ -16,7 +16,9 @@ pub mod pickle;
 pub mod value;
 
 use std::fmt::Write as _;
+use std::slice::ChunksExact;
 
+use sha2::digest::generic_array::GenericArray;
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -264,7 +266,12 @@ impl BlockHasher {
         let mut memo = Memo::default();
         let (first, first_object) = self.first_parent(parent);
         let mut prev: Option<BlockHash> = None;
-        for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
+        let mut done = 0;
+        if extra_keys.is_none() && !self.algo.is_xxhash() {
+            done = self.sha256_chain(out, tokens.chunks_exact(self.block_size), first);
+            prev = done.checked_sub(1).and_then(|_| out.last().copied());
+        }
+        for (i, block) in tokens.chunks_exact(self.block_size).enumerate().skip(done) {
             let extra = extra_keys
                 .and_then(|keys| keys.get(i))
                 .and_then(Option::as_ref);
@@ -285,6 +292,68 @@ impl BlockHasher {
         Ok(())
     }
 
+    /// Hashes the leading blocks that the plain writers take (all of them, normally)
+    /// with SHA-256, without extra keys, chained from `parent`; returns how many.
+    ///
+    /// Compressing a message is one long chain of dependent SHA instructions that
+    /// leaves most of the CPU idle. The next block is serialised (with a placeholder
+    /// parent, overwritten once the hash is known) between the first compression of
+    /// the current message and the rest, close enough in program order for the CPU to
+    /// run it alongside instead of after them.
+    fn sha256_chain(
+        &self,
+        out: &mut Vec<BlockHash>,
+        blocks: ChunksExact<'_, i64>,
+        parent: &[u8],
+    ) -> usize {
+        const PLACEHOLDER: [u8; 32] = [0; 32];
+        let n = self.block_size;
+        let capacity = parent.len().max(32) + 5 * n + pickle::PLAIN_OVERHEAD + SHA256_PAD;
+        let (mut cur, mut next) = (vec![0u8; capacity], vec![0u8; capacity]);
+        let write = |buf: &mut [u8], parent: &[u8], tokens: &[i64]| {
+            if self.algo.uses_pickle() {
+                pickle::write_plain_block(buf, parent, tokens)
+            } else {
+                cbor::write_plain_block(buf, parent, tokens)
+            }
+        };
+        let parent_at = if self.algo.uses_pickle() {
+            pickle::plain_parent_offset()
+        } else {
+            cbor::plain_parent_offset(PLACEHOLDER.len())
+        };
+        let mut blocks = blocks;
+        let Some(mut cur_len) = blocks.next().and_then(|b| write(&mut cur, parent, b)) else {
+            return 0;
+        };
+        let mut done = 0;
+        loop {
+            let Some(end) = sha256_pad(&mut cur, cur_len) else {
+                return done;
+            };
+            // A message is at least one 64-byte block once padded.
+            let Some((first, rest)) = cur.get(..end).and_then(|m| m.split_at_checked(64)) else {
+                return done;
+            };
+            let mut state = SHA256_IV;
+            compress_blocks(&mut state, first);
+            let next_len = blocks
+                .next()
+                .and_then(|b| write(&mut next, &PLACEHOLDER, b));
+            compress_blocks(&mut state, rest);
+            let digest = state_bytes(state);
+            out.push(from_digest(&digest));
+            done += 1;
+            let (Some(len), Some(slot)) = (next_len, next.get_mut(parent_at..parent_at + 32))
+            else {
+                return done;
+            };
+            slot.copy_from_slice(&digest);
+            std::mem::swap(&mut cur, &mut next);
+            cur_len = len;
+        }
+    }
+
     /// The parent bytes of a first block and which object they are.
     fn first_parent<'a>(&'a self, parent: Option<&'a [u8]>) -> (&'a [u8], ParentObject) {
         match parent {
@@ -302,12 +371,190 @@ impl BlockHasher {
         tokens: &[i64],
         extra: Option<&Value>,
     ) -> BlockHash {
+        if extra.is_none() {
+            if let Some(hash) = self.hash_plain(buf, parent, tokens) {
+                return hash;
+            }
+        }
         if self.algo.uses_pickle() {
             pickle::dumps_block(buf, memo, parent, parent_object, tokens, extra);
         } else {
             cbor::dumps_block(buf, parent, tokens, extra);
         }
         self.algo.digest(buf)
+    }
+
+    /// The hot path: `hash((parent, tuple(tokens), None))` serialised by the
+    /// fixed-layout writers into `buf` and, for SHA-256, padded and compressed in place,
+    /// so no hasher state is set up, buffered or copied per block. `None` when the
+    /// writers do not apply (see `write_plain_block`); `buf`'s contents are scratch.
+    fn hash_plain(&self, buf: &mut Vec<u8>, parent: &[u8], tokens: &[i64]) -> Option<BlockHash> {
+        // PLAIN_OVERHEAD is the same for both writers; SHA256_PAD is the room padding
+        // may take past the message.
+        const _: () = assert!(pickle::PLAIN_OVERHEAD == cbor::PLAIN_OVERHEAD);
+        let need = parent.len() + 5 * tokens.len() + pickle::PLAIN_OVERHEAD + SHA256_PAD;
+        if buf.len() < need {
+            buf.resize(need, 0);
+        }
+        let len = if self.algo.uses_pickle() {
+            pickle::write_plain_block(buf, parent, tokens)?
+        } else {
+            cbor::write_plain_block(buf, parent, tokens)?
+        };
+        Some(if self.algo.is_xxhash() {
+            from_digest(&xxh3_128(buf.get(..len)?).to_be_bytes())
+        } else {
+            from_digest(&sha256_in_place(buf, len)?)
+        })
+    }
+}
+
+/// The most bytes SHA-256 padding writes past a message: `0x80`, up to 63 zeros and
+/// the 8-byte length.
+const SHA256_PAD: usize = 72;
+
+/// SHA-256's initial state (FIPS 180-4, 5.3.3).
+const SHA256_IV: [u32; 8] = [
+    0x6a09_e667,
+    0xbb67_ae85,
+    0x3c6e_f372,
+    0xa54f_f53a,
+    0x510e_527f,
+    0x9b05_688c,
+    0x1f83_d9ab,
+    0x5be0_cd19,
+];
+
+/// SHA-256 of `buf[..len]`, padding the message in place (FIPS 180-4, 5.1.1) and
+/// running the compression function straight over `buf`: the `Digest` API would copy
+/// the message through its block buffer and pad in a second one. `None` if `buf` is
+/// shorter than `len + SHA256_PAD`.
+fn sha256_in_place(buf: &mut [u8], len: usize) -> Option<[u8; 32]> {
+    let end = sha256_pad(buf, len)?;
+    let mut state = SHA256_IV;
+    compress_blocks(&mut state, buf.get(..end)?);
+    Some(state_bytes(state))
+}
+
+/// Pads the message `buf[..len]` in place (FIPS 180-4, 5.1.1); returns where the
+/// padded message ends. `None` if `buf` is shorter than `len + 65`.
+fn sha256_pad(buf: &mut [u8], len: usize) -> Option<usize> {
+    let end = (len + 9).div_ceil(64) * 64;
+    // Zeroing a fixed 64 bytes (more than the at most 63 needed; the length then
+    // overwrites the excess) compiles to a few vector stores instead of a memset call.
+    buf.get_mut(len..len + 65)?.copy_from_slice(&PAD_START);
+    let bits = (len as u64) * 8;
+    buf.get_mut(end - 8..end)?
+        .copy_from_slice(&bits.to_be_bytes());
+    Some(end)
+}
+
+/// Runs the compression function over `data`, whose length is a multiple of 64, in
+/// one call: a call per 64-byte block costs ~4 ns of state shuffling each.
+fn compress_blocks(state: &mut [u32; 8], data: &[u8]) {
+    debug_assert!(data.len() % 64 == 0);
+    let blocks = data.len() / 64;
+    // SAFETY: GenericArray<u8, U64> is #[repr(transparent)] over 64 bytes with
+    // alignment 1 (sha2 relies on the same layout, casting back to [u8; 64]), and
+    // `blocks * 64 <= data.len()` bytes are read from `data`, borrowed for the call.
+    let blocks = unsafe {
+        std::slice::from_raw_parts(
+            data.as_ptr()
+                .cast::<GenericArray<u8, sha2::digest::consts::U64>>(),
+            blocks,
+        )
+    };
+    sha2::compress256(state, blocks);
+}
+
+/// The digest: the final state, big-endian.
+fn state_bytes(state: [u32; 8]) -> [u8; 32] {
+    let mut digest = [0u8; 32];
+    for (out, word) in digest.chunks_exact_mut(4).zip(state) {
+        out.copy_from_slice(&word.to_be_bytes());
+    }
+    digest
+}
+
+/// The `0x80` that ends every message, then zeros.
+const PAD_START: [u8; 65] = {
+    let mut pad = [0u8; 65];
+    pad[0] = 0x80;
+    pad
+};
+
+/// How many leading bytes of a token's 8-byte word are its encoding. At most 5 by
+/// construction, which the unchecked stores of [`Cursor::put_words`] rely on.
+#[derive(Debug, Clone, Copy)]
+#[repr(u8)]
+enum WordLen {
+    One = 1,
+    Two = 2,
+    Three = 3,
+    Five = 5,
+}
+
+/// Writes into a buffer sized in advance, so the hot path has no growth checks. The
+/// writers check the buffer's size before writing; a write that would not fit is
+/// dropped (the bounds check stays, but never fails).
+struct Cursor<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(buf: &'a mut [u8]) -> Self {
+        Self { buf, pos: 0 }
+    }
+
+    fn pos(&self) -> usize {
+        self.pos
+    }
+
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        self.put_at(self.pos, bytes);
+        self.pos += bytes.len();
+    }
+
+    /// Writes one encoding per token, `encode` giving each as the first `len` bytes of
+    /// an 8-byte word. Every word is stored whole, the next one overwriting its slack:
+    /// one fixed-size store per token instead of a copy of variable length.
+    #[inline]
+    fn put_words(&mut self, tokens: &[i64], encode: impl Fn(i64) -> ([u8; 8], WordLen)) {
+        // Token i's word starts at most 5 * i bytes in (every WordLen is at most 5) and
+        // is 8 long, so all of them lie in the 5 * n + 3 bytes from `pos`.
+        let end = self.pos + 5 * tokens.len() + 3;
+        let Some(region) = self.buf.get_mut(self.pos..end) else {
+            // The writers size the buffer first, so this is only for completeness.
+            for &t in tokens {
+                let (word, len) = encode(t);
+                self.put(&word);
+                self.pos -= 8 - len as usize;
+            }
+            return;
+        };
+        // Bounds-checking each store (the offset is data-dependent, so the compiler
+        // cannot hoist the check) took a 16-token block from ~9 to ~17 ns.
+        let base = region.as_mut_ptr();
+        let mut offset = 0;
+        for &t in tokens {
+            let (word, len) = encode(t);
+            // SAFETY: before token i is written, `offset` is the sum of i WordLens,
+            // each at most 5, so `offset + 8 <= 5 * i + 8 <= 5 * n + 3 = region.len()`:
+            // the store is inside `region`, and `write_unaligned` needs no alignment.
+            unsafe { base.add(offset).cast::<[u8; 8]>().write_unaligned(word) };
+            offset += len as usize;
+        }
+        self.pos += offset;
+    }
+
+    /// Overwrites bytes already written (a length filled in afterwards).
+    #[inline]
+    fn put_at(&mut self, at: usize, bytes: &[u8]) {
+        if let Some(slot) = self.buf.get_mut(at..at + bytes.len()) {
+            slot.copy_from_slice(bytes);
+        }
     }
 }
 
@@ -462,6 +709,110 @@ fn is_py_printable(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plain fast path against the general writers and the `Digest` API, at the
+    /// edges of every encoding class, frame rule and padding length.
+    #[test]
+    fn plain_path_matches_general_path() {
+        const EDGES: [i64; 20] = [
+            0,
+            1,
+            23,
+            24,
+            255,
+            256,
+            65_535,
+            65_536,
+            149_999,
+            i32::MAX as i64,
+            i32::MAX as i64 + 1,
+            u32::MAX as i64,
+            u32::MAX as i64 + 1,
+            -1,
+            -24,
+            -256,
+            i32::MIN as i64,
+            i32::MIN as i64 - 1,
+            i64::MAX,
+            i64::MIN,
+        ];
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut plain_buf = Vec::new();
+        let mut buf = Vec::new();
+        let mut memo = Memo::default();
+        for round in 0..2000 {
+            let n = match round % 16 {
+                0..=3 => usize::try_from(next() % 6).unwrap(),
+                4..=9 => 16,
+                10..=14 => usize::try_from(next() % 40).unwrap(),
+                // Around PLAIN_MAX_TOKENS, and a pickle with a second frame.
+                _ => [8191, 8192, 8193, 13_200][usize::try_from(next() % 4).unwrap()],
+            };
+            // Mostly in-range tokens, so that the plain path is taken, with an edge
+            // value now and then.
+            let wild = next() % 3 == 0;
+            let tokens: Vec<i64> = (0..n)
+                .map(|_| match next() % 8 {
+                    0 if wild => EDGES[usize::try_from(next() % 20).unwrap()],
+                    0..=2 => EDGES[usize::try_from(next() % 13).unwrap()],
+                    _ => i64::try_from(next() % 150_000).unwrap(),
+                })
+                .collect();
+            let parent_len = [0, 16, 32, 23, 24, 255, 256][round % 7];
+            let parent: Vec<u8> = (0..parent_len).map(|_| next().to_le_bytes()[0]).collect();
+            for algo in HashAlgo::ALL {
+                let hasher = BlockHasher::new(16, algo, "plain").unwrap();
+                if algo.uses_pickle() {
+                    pickle::dumps_block(
+                        &mut buf,
+                        &mut memo,
+                        &parent,
+                        ParentObject::Fresh,
+                        &tokens,
+                        None,
+                    );
+                } else {
+                    cbor::dumps_block(&mut buf, &parent, &tokens, None);
+                }
+                let want = if algo.is_xxhash() {
+                    from_digest(&xxh3_128(&buf).to_be_bytes())
+                } else {
+                    from_digest(&Sha256::digest(&buf))
+                };
+                if let Some(got) = hasher.hash_plain(&mut plain_buf, &parent, &tokens) {
+                    assert_eq!(got, want, "{algo:?} {tokens:?} parent {parent_len}");
+                }
+                assert_eq!(
+                    hasher.hash_block(Some(&parent), &tokens, None),
+                    if parent.is_empty() {
+                        hasher.hash_block(None, &tokens, None)
+                    } else {
+                        want
+                    }
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn sha256_in_place_pads_every_length() {
+        let data: Vec<u8> = (0..300u32).map(|i| (i * 37 % 251) as u8).collect();
+        let mut buf = vec![0xa5; 300 + SHA256_PAD];
+        for len in 0..=300 {
+            buf[..len].copy_from_slice(&data[..len]);
+            let got = sha256_in_place(&mut buf, len).unwrap();
+            assert_eq!(got[..], Sha256::digest(&data[..len])[..], "length {len}");
+            // Leave garbage behind, as the hot path does.
+            buf.fill(0x5a);
+        }
+        assert_eq!(sha256_in_place(&mut [0; 65], 1), None);
+    }
 
     #[test]
     fn algo_names_round_trip() {
