@@ -89,9 +89,11 @@ def _time_once(workload: Workload, backend: ModuleType) -> float:
     state) is moved to the garbage collector's permanent generation first, as vLLM
     does with ``gc.freeze()`` once its engine is up: collections during the run scan
     only what the run itself allocates, not whatever other workloads left in memory.
+    There is no ``gc.collect()`` before it: walking the whole heap would also evict
+    the run's inputs from the CPU caches. Garbage frozen with the rest is collected
+    after ``gc.unfreeze()``, outside the timed region.
     """
     state = workload.setup(backend)
-    gc.collect()
     gc.freeze()
     try:
         start = time.perf_counter()
@@ -107,7 +109,6 @@ def _time_vllm_once(setup: Callable[[], Any], run: Callable[[Any], Any]) -> floa
     """:func:`_time_once` for the vLLM column (its results are checked against the
     reference in ``benches/test_vllm_column.py``)."""
     state = setup()
-    gc.collect()
     gc.freeze()
     try:
         start = time.perf_counter()
