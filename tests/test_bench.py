@@ -57,3 +57,15 @@ def test_json_carries_every_column(tmp_path: Path) -> None:
 def test_unknown_workload_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["no_such_workload"], quick=True, rounds=1, out=None) == 2
     assert "no workload matches no_such_workload" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rounds", "shown"), [("0", "0"), ("-1", "-1"), ("two", "'two'")])
+def test_rounds_must_be_positive(
+    rounds: str, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvblocks import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--rounds", rounds])
+    assert exc.value.code == 2
+    assert f"expected a positive integer, got {shown}" in capsys.readouterr().err

@@ -60,13 +60,26 @@ def demo() -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvblocks`` console script."""
     parser = argparse.ArgumentParser(prog="kvblocks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="a short walk through allocation, sharing and eviction")
     bench = sub.add_parser(
-        "bench", help="time every workload on both backends, side by side, in one process"
+        "bench",
+        help="time every workload on both backends, side by side, in one process "
+        "(and on vLLM's own code when vLLM is installed)",
     )
     bench.add_argument("--quick", action="store_true", help="smaller sizes, 3 rounds (< 1 min)")
     bench.add_argument(
@@ -76,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME",
         help="run only workloads whose name starts with NAME (repeatable)",
     )
-    bench.add_argument("--rounds", type=int, default=None, help="rounds per workload")
+    bench.add_argument(
+        "--rounds", type=_positive_int, default=None, help="rounds per workload (at least 1)"
+    )
     bench.add_argument(
         "--out",
         type=Path,
