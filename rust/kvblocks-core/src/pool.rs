@@ -220,11 +220,44 @@ impl BlockPool {
         if num_cached >= num_full {
             return Ok(());
         }
-        let blocks: Vec<u32> = block_ids[num_cached..num_full]
+        self.cache_range(
+            block_ids,
+            num_cached,
+            &block_hashes[num_cached..num_full],
+            group_id,
+        )
+    }
+
+    /// The caching step of [`Self::cache_full_blocks`], for a caller that ran
+    /// [`Self::check_cache_range`] and [`Self::check_cache_lengths`] itself and then
+    /// converted only the hashes of the blocks to cache: `new_hashes[i]` goes to block
+    /// `block_ids[num_cached + i]`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id in the range out of range and
+    /// [`Error::TooManyFullBlocks`] when the range passes the end of `block_ids` (both
+    /// ruled out by the checks above); [`Error::AlreadyHashed`] as in
+    /// [`Self::cache_full_blocks`]. Nothing changes on error.
+    pub fn cache_range(
+        &mut self,
+        block_ids: &[i64],
+        num_cached: usize,
+        new_hashes: &[BlockHash],
+        group_id: u32,
+    ) -> Result<()> {
+        let num_full = num_cached + new_hashes.len();
+        let Some(range) = block_ids.get(num_cached..num_full) else {
+            return Err(Error::TooManyFullBlocks {
+                num_full_blocks: num_full,
+                num_block_ids: block_ids.len(),
+            });
+        };
+        self.check_ids(range)?;
+        let blocks: Vec<u32> = range
             .iter()
             .filter_map(|&id| u32::try_from(id).ok())
             .collect();
-        self.cache_ids(&blocks, &block_hashes[num_cached..num_full], group_id)
+        self.cache_ids(&blocks, new_hashes, group_id)
     }
 
     /// The first checks of [`Self::cache_full_blocks`], which need no hashes: every id in

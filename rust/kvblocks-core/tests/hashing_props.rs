@@ -5,14 +5,11 @@
 //!
 //! Byte-exactness against Python's own serialisers is `hashing_golden.rs`'s job.
 
-use std::time::{Duration, Instant};
-
 use kvblocks_core::hashing::{
     cbor, pickle, BlockHasher, HashAlgo, Memo, ObjectId, ParentObject, Tuple, Value,
 };
 use kvblocks_core::BlockHash;
 use proptest::prelude::*;
-use sha2::{Digest, Sha256};
 
 /// A decoded pickle value. Ints are minimal little-endian two's-complement bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -555,84 +552,5 @@ fn seeds_resolve_as_vllm_does() {
             .bytes()
             .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
         assert_ne!(a, b, "a fresh random seed each time");
-    }
-}
-
-fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
-    (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            std::hint::black_box(f());
-            start.elapsed()
-        })
-        .min()
-        .unwrap()
-}
-
-/// `cargo test --release -p kvblocks-core --test hashing_props -- --ignored --nocapture`:
-/// hashing a 131,072-token prompt in blocks of 16, per algorithm, against plain
-/// SHA-256 / xxh3 over the same serialised bytes.
-#[test]
-#[ignore = "timing; run in release mode"]
-fn timing_131072_tokens() {
-    let tokens: Vec<i64> = (0..131_072).map(|i| (i * 7919 + 13) % 150_000).collect();
-    for algo in HashAlgo::ALL {
-        let hasher = BlockHasher::new(16, algo, "timing").unwrap();
-        let chain = hasher.hash_blocks(&tokens, None, None).unwrap();
-        let full = best_of(20, || hasher.hash_blocks(&tokens, None, None).unwrap());
-
-        // The same bytes, serialised up front, digested alone.
-        let mut serialised = Vec::new();
-        let mut memo = Memo::default();
-        for (i, block) in tokens.chunks_exact(16).enumerate() {
-            let parent = if i == 0 {
-                hasher.none_hash()
-            } else {
-                chain[i - 1]
-            };
-            let mut buf = Vec::new();
-            if algo.uses_pickle() {
-                pickle::dumps_block(
-                    &mut buf,
-                    &mut memo,
-                    parent.as_bytes(),
-                    ParentObject::Fresh,
-                    block,
-                    None,
-                );
-            } else {
-                cbor::dumps_block(&mut buf, parent.as_bytes(), block, None);
-            }
-            serialised.push(buf);
-        }
-        let digest_only = best_of(20, || {
-            serialised
-                .iter()
-                .map(|b| {
-                    if algo.is_xxhash() {
-                        xxhash_rust::xxh3::xxh3_128(b).to_be_bytes()[0]
-                    } else {
-                        Sha256::digest(b)[0]
-                    }
-                })
-                .fold(0u8, |a, b| a ^ b)
-        });
-        let bytes: usize = serialised.iter().map(Vec::len).sum();
-        println!(
-            "{:<12} {:>8.3} ms  (digest alone {:>7.3} ms, ratio {:.2}; {} blocks, {} bytes)",
-            algo.name(),
-            full.as_secs_f64() * 1e3,
-            digest_only.as_secs_f64() * 1e3,
-            full.as_secs_f64() / digest_only.as_secs_f64(),
-            chain.len(),
-            bytes,
-        );
-        if !algo.is_xxhash() {
-            assert!(
-                full < digest_only * 2,
-                "{}: more than 2x plain SHA-256",
-                algo.name()
-            );
-        }
     }
 }

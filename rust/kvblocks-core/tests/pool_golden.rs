@@ -338,6 +338,29 @@ fn error_messages_match_the_catalogue() {
             .to_string(),
         "num_full_blocks 2 exceeds the 1 block ids given"
     );
+    // The caching step alone (callers that convert hashes lazily) checks its range.
+    let g = BlockHash::new(&[4; 32]).unwrap();
+    assert_eq!(
+        pool.cache_range(&[1], 1, &[g], 0).unwrap_err().to_string(),
+        "num_full_blocks 2 exceeds the 1 block ids given"
+    );
+    assert_eq!(
+        pool.cache_range(&[1, 9], 1, &[g], 0)
+            .unwrap_err()
+            .to_string(),
+        "block id 9 is out of range for a pool of 4 blocks"
+    );
+    assert_eq!(
+        pool.cache_range(&[1, 1], 0, &[g, g], 0)
+            .unwrap_err()
+            .to_string(),
+        "block 1 already has a hash"
+    );
+    assert_eq!(
+        pool.num_cached_keys(),
+        1,
+        "a failed cache_range changes nothing"
+    );
     assert_eq!(
         pool.block(7).unwrap_err().to_string(),
         "block id 7 is out of range for a pool of 4 blocks"

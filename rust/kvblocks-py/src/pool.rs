@@ -108,15 +108,9 @@ impl<'py> HashSeq<'py> {
 }
 
 /// The hashes `cache_full_blocks` reads: only those of blocks `num_cached ..
-/// num_full` are converted (callers pass a request's whole hash list, as vLLM does);
-/// the slots before them hold empty placeholders the core never reads.
+/// num_full` are converted (callers pass a request's whole hash list, as vLLM does).
 fn range_hashes(seq: &HashSeq<'_>, num_cached: usize, num_full: usize) -> PyResult<Vec<BlockHash>> {
-    let placeholder = BlockHash::new(&[]).py()?;
-    let mut hashes = vec![placeholder; num_cached];
-    for i in num_cached..num_full {
-        hashes.push(seq.get(i)?);
-    }
-    Ok(hashes)
+    (num_cached..num_full).map(|i| seq.get(i)).collect()
 }
 
 /// Converts a group id, with the reference's messages for values outside `u32`.
@@ -425,11 +419,9 @@ impl PyBlockPool {
         if num_cached >= num_full {
             return Ok(());
         }
-        let hashes = range_hashes(&seq, num_cached, num_full)?;
-        self.with_mut(py, |p| {
-            p.cache_full_blocks(&ids, &hashes, num_cached_blocks, num_full_blocks, group)
-        })?
-        .py()
+        let new_hashes = range_hashes(&seq, num_cached, num_full)?;
+        self.with_mut(py, |p| p.cache_range(&ids, num_cached, &new_hashes, group))?
+            .py()
     }
 
     /// Looks a block hash up in the prefix cache, one block per group.
