@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from kvblocks import BACKEND_MODULES, load_backend
-from kvblocks.bench.workloads import Workload, all_workloads
+from kvblocks.bench.workloads import WorkloadSpec, all_workloads
 from pytest_benchmark.fixture import BenchmarkFixture
 
 QUICK = os.environ.get("KVBLOCKS_BENCH_FULL") != "1"
@@ -34,11 +34,12 @@ def backend(request: pytest.FixtureRequest) -> tuple[str, ModuleType]:
     return name, load_backend(name)
 
 
-@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+@pytest.mark.parametrize("spec", WORKLOADS, ids=lambda w: w.name)
 def test_workload(
-    benchmark: BenchmarkFixture, backend: tuple[str, ModuleType], workload: Workload
+    benchmark: BenchmarkFixture, backend: tuple[str, ModuleType], spec: WorkloadSpec
 ) -> None:
     name, module = backend
+    workload = spec.build()
     benchmark.group = workload.group
     benchmark.name = f"{workload.name}[{name}]"
     benchmark.extra_info.update(

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from kvblocks import load_backend
 from kvblocks.bench import vllm_runner
-from kvblocks.bench.workloads import Workload, all_workloads
+from kvblocks.bench.workloads import Workload, WorkloadSpec, all_workloads
 
 __all__ = ["BenchResult", "run", "vllm_status"]
 
@@ -120,16 +120,23 @@ def _time_vllm_once(setup: Callable[[], Any], run: Callable[[Any], Any]) -> floa
 
 
 def run(
-    selected: Sequence[Workload],
+    selected: Sequence[WorkloadSpec],
     rounds: int,
     progress: TextIO | None = sys.stderr,
 ) -> list[BenchResult]:
-    """Times every workload on both backends, ``rounds`` times each, interleaved."""
+    """Times every workload on both backends, ``rounds`` times each, interleaved.
+
+    Each workload is built right before its rounds and dropped after them, so only its
+    own data is in memory while it is measured.
+    """
     backends = {name: load_backend(name) for name in ("python", "rust")}
     with_vllm = vllm_runner.available()
     results = []
     total = len(selected) * rounds
-    for i, workload in enumerate(selected):
+    for i, spec in enumerate(selected):
+        if progress is not None:
+            _progress(i * rounds, total, f"{spec.name} (building)", progress)
+        workload = spec.build()
         times: dict[str, list[float]] = {name: [] for name in (*backends, "vllm")}
         for r in range(rounds):
             if progress is not None:
@@ -151,6 +158,8 @@ def run(
                 has_vllm=workload.vllm_run is not None,
             )
         )
+        del workload
+        gc.collect()
     if progress is not None:
         _progress(total, total, "done", progress)
         progress.write("\n")
