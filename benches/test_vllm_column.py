@@ -26,7 +26,9 @@ def test_pool_churn_matches_reference() -> None:
     pool = reference.BlockPool(script.num_blocks)
     expected = _churn_run(script)(reference, pool)
     state = vllm_runner.setup_pool_churn(script.num_blocks)
-    live, allocated = vllm_runner.run_pool_churn(state, script.steps)
+    live, allocated = vllm_runner.pool_churn_outcome(
+        vllm_runner.run_pool_churn(state, script.steps)
+    )
     assert (live, allocated) == (expected[0], expected[1])
     assert state.pool.get_num_free_blocks() == pool.get_num_free_blocks()
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from kvblocks import bench
 from kvblocks.bench import BenchResult, markdown_table, vllm_runner, write_outputs
+from kvblocks.bench.workloads import manager_tables
 
 
 def _result(name: str, *, vllm_s: list[float], has_vllm: bool) -> BenchResult:
@@ -69,3 +71,14 @@ def test_rounds_must_be_positive(
         cli.main(["bench", "--rounds", rounds])
     assert exc.value.code == 2
     assert f"expected a positive integer, got {shown}" in capsys.readouterr().err
+
+
+def test_vllm_rollback_column_gets_the_managers_tables(backend: ModuleType) -> None:
+    """``rollback_manager``'s vLLM column assumes the tables a fresh manager hands out."""
+    manager = backend.KVCacheManager(4 * 3 + 1, 16)
+    for i in range(4):
+        request = SimpleNamespace(
+            request_id=f"r{i}", num_tokens=48, num_computed_tokens=0, block_hashes=[]
+        )
+        assert manager.allocate_slots(request, 48) is not None
+    assert [list(manager.get_block_ids(f"r{i}")[0]) for i in range(4)] == manager_tables(4, 3)

@@ -720,6 +720,9 @@ def test_check_invariants_detects_corruption(corrupt: Callable[[Any], None]) -> 
         (([1, 2], [1], 0, 2), ValueError, "^need 2 block hashes, got 1$"),
         (([1], [b"x" * 33], 0, 2), ValueError, "^num_full_blocks 2 exceeds the 1 block ids"),
         (([1], [b"x" * 33], 0, 1, -1), ValueError, "^kv_cache_group_id must be non-negative"),
+        # Every hash's type is checked before any hash's length.
+        (([1, 2, 3], [H0, b"x" * 33, 5], 1, 3), TypeError, "^block hash must be bytes, got int$"),
+        (([1, 2, 3], [H0, b"x" * 33, H1], 1, 3), ValueError, "33"),
     ],
 )
 def test_cache_full_blocks_reports_the_first_fault_in_the_documented_order(

@@ -85,13 +85,13 @@ def _progress(done: int, total: int, label: str, out: TextIO) -> None:
 def _time_once(workload: Workload, backend: ModuleType) -> float:
     """One timed run on a fresh state.
 
-    Everything that exists before the timed region (every workload's script, the fresh
-    state) is moved to the garbage collector's permanent generation first, as vLLM
-    does with ``gc.freeze()`` once its engine is up: collections during the run scan
-    only what the run itself allocates, not whatever other workloads left in memory.
-    There is no ``gc.collect()`` before it: walking the whole heap would also evict
-    the run's inputs from the CPU caches. Garbage frozen with the rest is collected
-    after ``gc.unfreeze()``, outside the timed region.
+    Everything that exists before the timed region (the workload's script, the fresh
+    state, the other backend's leftovers) is moved to the garbage collector's permanent
+    generation first, as vLLM does with ``gc.freeze()`` once its engine is up:
+    collections during the run scan only what the run itself allocates. There is no
+    ``gc.collect()`` before it: walking the whole heap would also evict the run's
+    inputs from the CPU caches. Garbage frozen with the rest goes back to the oldest
+    generation at ``gc.unfreeze()``; :func:`run` collects it between workloads.
     """
     state = workload.setup(backend)
     gc.freeze()
@@ -155,7 +155,7 @@ def run(
                 times["python"],
                 times["rust"],
                 times["vllm"],
-                has_vllm=workload.vllm_run is not None,
+                has_vllm=workload.vllm_setup is not None and workload.vllm_run is not None,
             )
         )
         del workload

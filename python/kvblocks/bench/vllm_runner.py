@@ -29,6 +29,7 @@ __all__ = [
     "PoolChurnState",
     "RollbackState",
     "available",
+    "pool_churn_outcome",
     "rollback_outcome",
     "run_pool_churn",
     "run_rollback",
@@ -143,7 +144,7 @@ def setup_pool_churn(num_blocks: int, block_size: int = CHURN_BLOCK_SIZE) -> Poo
 
 def run_pool_churn(
     state: PoolChurnState, steps: Sequence[tuple[list[bytes], int, list[bytes], int]]
-) -> tuple[list[list[int]], int]:
+) -> tuple[list[list[Any]], int]:
     """The pool-churn loop of ``workloads._churn_run`` on vLLM's ``BlockPool``.
 
     Args:
@@ -152,8 +153,8 @@ def run_pool_churn(
             victim draw)``; a step with 0 blocks frees the live request the draw picks.
 
     Returns:
-        ``(live block tables as ids, blocks allocated)``, comparable with the result of
-        the kvblocks backends on the same script.
+        ``(live block tables of KVCacheBlock objects, blocks allocated)``; see
+        :func:`pool_churn_outcome` to compare them with the kvblocks backends'.
     """
     pool = state.pool
     spec = state.spec
@@ -187,6 +188,20 @@ def run_pool_churn(
         pool.cache_full_blocks(_HashedRequest(chain), blocks, len(hits), num_blocks, block_size, 0)
         live.append(blocks)
         allocated += num_blocks - len(hits)
+    return live, allocated
+
+
+def pool_churn_outcome(result: tuple[list[list[Any]], int]) -> tuple[list[list[int]], int]:
+    """:func:`run_pool_churn`'s result with block ids for blocks, outside the timing.
+
+    Args:
+        result: What :func:`run_pool_churn` returned.
+
+    Returns:
+        ``(live block tables as ids, blocks allocated)``, which equal the result of the
+        kvblocks backends on the same script.
+    """
+    live, allocated = result
     return [[block.block_id for block in blocks] for blocks in live], allocated
 
 

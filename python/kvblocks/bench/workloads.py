@@ -429,6 +429,16 @@ class _BenchRequest:
     block_hashes: list[bytes]
 
 
+def manager_tables(num_requests: int, blocks_per_request: int) -> list[list[int]]:
+    """The block tables a fresh manager gives requests admitted one after another with
+    ``blocks_per_request`` blocks each: ascending ids from 1 (a test checks this on both
+    backends, so vLLM's column gets the same tables without a manager of its own)."""
+    return [
+        list(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
+        for i in range(num_requests)
+    ]
+
+
 def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048) -> Workload:
     """``update_requests_with_invalid_blocks`` over block tables held by the manager."""
     block_size = 16
@@ -463,13 +473,12 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
         assert affected and total > 0 and to_evict
 
     def vllm_setup() -> Any:
-        # A fresh manager hands out blocks in ascending id order, request by request.
-        tables = [
-            list(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
-            for i in range(num_requests)
-        ]
         return vllm_runner.setup_rollback(
-            tables, [num_tokens] * num_requests, [0] * num_requests, invalid, block_size
+            manager_tables(num_requests, blocks_per_request),
+            [num_tokens] * num_requests,
+            [0] * num_requests,
+            invalid,
+            block_size,
         )
 
     return Workload(

@@ -245,13 +245,14 @@ impl BlockPool {
         new_hashes: &[BlockHash],
         group_id: u32,
     ) -> Result<()> {
-        let num_full = num_cached + new_hashes.len();
-        let Some(range) = block_ids.get(num_cached..num_full) else {
-            return Err(Error::TooManyFullBlocks {
-                num_full_blocks: num_full,
-                num_block_ids: block_ids.len(),
-            });
+        let too_many = || Error::TooManyFullBlocks {
+            num_full_blocks: num_cached.saturating_add(new_hashes.len()),
+            num_block_ids: block_ids.len(),
         };
+        let num_full = num_cached
+            .checked_add(new_hashes.len())
+            .ok_or_else(too_many)?;
+        let range = block_ids.get(num_cached..num_full).ok_or_else(too_many)?;
         self.check_ids(range)?;
         let blocks: Vec<u32> = range
             .iter()

@@ -3,8 +3,8 @@
 //! vLLM's `BlockHashToBlockMap` keeps duplicates on purpose (identical full blocks
 //! computed twice are both cached, so block tables stay append-only) and a lookup
 //! returns the earliest-inserted block still cached under the key. Here each key
-//! maps to the first block of a per-key list threaded through two flat per-block
-//! arrays, so insert, remove (from anywhere) and lookup are all O(1):
+//! maps to the first block of a per-key list threaded through the per-block records,
+//! so insert, remove (from anywhere) and lookup are all O(1). Block `b`'s record holds
 //!
 //! * `next`: the block inserted after `b` under the same key, or [`NO_BLOCK`];
 //! * `prev`: the block inserted before `b`; for the first block of a key it is the

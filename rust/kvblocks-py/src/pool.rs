@@ -8,7 +8,7 @@
 
 use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
 use kvblocks_core::BlockHash;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
 use pyo3::{ffi, Borrowed};
@@ -109,8 +109,24 @@ impl<'py> HashSeq<'py> {
 
 /// The hashes `cache_full_blocks` reads: only those of blocks `num_cached ..
 /// num_full` are converted (callers pass a request's whole hash list, as vLLM does).
+///
+/// As in the reference, every hash's type is checked before any hash's length: a
+/// `TypeError` anywhere in the range wins over a too-long hash before it.
 fn range_hashes(seq: &HashSeq<'_>, num_cached: usize, num_full: usize) -> PyResult<Vec<BlockHash>> {
-    (num_cached..num_full).map(|i| seq.get(i)).collect()
+    let py = seq.seq.py();
+    let mut hashes = Vec::with_capacity(num_full.saturating_sub(num_cached));
+    let mut too_long = None;
+    for i in num_cached..num_full {
+        match seq.get(i) {
+            Ok(hash) => hashes.push(hash),
+            // `BlockHash::new`'s only error, a hash past 32 bytes.
+            Err(err) if err.is_instance_of::<PyValueError>(py) => {
+                too_long.get_or_insert(err);
+            }
+            Err(err) => return Err(err),
+        }
+    }
+    too_long.map_or(Ok(hashes), Err)
 }
 
 /// Converts a group id, with the reference's messages for values outside `u32`.

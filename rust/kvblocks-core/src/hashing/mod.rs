@@ -7,8 +7,9 @@
 //! `cbor2.dumps(x, canonical=True)` ([`cbor`]) and digested with SHA-256 (32 bytes) or
 //! xxh3-128 (16 bytes, big-endian as `xxhash.xxh3_128_digest` returns them).
 //!
-//! The hot path (a long prompt without extra keys) serialises every block into one
-//! reused buffer, writing the token ints straight from the slice: no allocation and no
+//! The hot path (a long prompt without extra keys) serialises every block into one of
+//! two buffers allocated per call (the next block is written while the current one is
+//! hashed), writing the token ints straight from the slice: no allocation and no
 //! [`Value`] tree per block.
 
 pub mod cbor;
@@ -307,8 +308,18 @@ impl BlockHasher {
         parent: &[u8],
     ) -> usize {
         const PLACEHOLDER: [u8; 32] = [0; 32];
-        let n = self.block_size;
-        let capacity = parent.len().max(32) + 5 * n + pickle::PLAIN_OVERHEAD + SHA256_PAD;
+        let mut blocks = blocks;
+        // Sized from a block that exists: `block_size` alone may be anything up to
+        // `i64::MAX`, and there may be no full block at all. A block is a slice in
+        // memory, so five bytes a token cannot overflow.
+        let Some(first_block) = blocks.next() else {
+            return 0;
+        };
+        if self.algo.uses_pickle() && first_block.len() > pickle::PLAIN_MAX_TOKENS {
+            return 0;
+        }
+        let capacity =
+            parent.len().max(32) + 5 * first_block.len() + pickle::PLAIN_OVERHEAD + SHA256_PAD;
         let (mut cur, mut next) = (vec![0u8; capacity], vec![0u8; capacity]);
         let write = |buf: &mut [u8], parent: &[u8], tokens: &[i64]| {
             if self.algo.uses_pickle() {
@@ -322,8 +333,7 @@ impl BlockHasher {
         } else {
             cbor::plain_parent_offset(PLACEHOLDER.len())
         };
-        let mut blocks = blocks;
-        let Some(mut cur_len) = blocks.next().and_then(|b| write(&mut cur, parent, b)) else {
+        let Some(mut cur_len) = write(&mut cur, parent, first_block) else {
             return 0;
         };
         let mut done = 0;
@@ -796,6 +806,19 @@ mod tests {
                         want
                     }
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn huge_block_sizes_allocate_nothing_without_a_full_block() {
+        for block_size in [1_i64 << 40, 1 << 61, 1 << 62, i64::MAX] {
+            for algo in HashAlgo::ALL {
+                let hasher = BlockHasher::new(block_size, algo, "x").unwrap();
+                assert!(hasher
+                    .hash_blocks(&[1, 2, 3], None, None)
+                    .unwrap()
+                    .is_empty());
             }
         }
     }
