@@ -9,7 +9,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 from kvblocks import bench
 from kvblocks.bench import BenchResult, markdown_table, vllm_runner, write_outputs
-from kvblocks.bench.workloads import manager_tables
+from kvblocks.bench.workloads import Workload, WorkloadSpec, manager_tables
 
 
 def _result(name: str, *, vllm_s: list[float], has_vllm: bool) -> BenchResult:
@@ -82,3 +82,29 @@ def test_vllm_rollback_column_gets_the_managers_tables(backend: ModuleType) -> N
         )
         assert manager.allocate_slots(request, 48) is not None
     assert [list(manager.get_block_ids(f"r{i}")[0]) for i in range(4)] == manager_tables(4, 3)
+
+
+def test_a_failing_vllm_run_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_vllm_run(state: object) -> None:
+        raise RuntimeError("no such scheduler method")
+
+    workload = Workload(
+        name="tiny",
+        group="tiny",
+        description="a workload that does nothing",
+        ops=1,
+        op_name="call",
+        setup=lambda backend: None,
+        run=lambda backend, state: None,
+        check=lambda state, result: None,
+        vllm_setup=lambda: None,
+        vllm_run=broken_vllm_run,
+    )
+    monkeypatch.setattr(vllm_runner, "available", lambda: True)
+    (result,) = bench.run([WorkloadSpec("tiny", lambda: workload)], rounds=2, progress=None)
+    assert len(result.python_s) == len(result.rust_s) == 2
+    assert result.vllm_s == []
+    assert result.vllm_error == "RuntimeError: no such scheduler method"
+    table = markdown_table([result]).splitlines()
+    assert table[2].endswith("| failed² |")
+    assert table[-1] == "² vLLM's run failed: tiny: RuntimeError: no such scheduler method."

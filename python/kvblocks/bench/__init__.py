@@ -40,6 +40,8 @@ class BenchResult:
     vllm_s: list[float] = field(default_factory=list)
     #: Whether vLLM has a counterpart of this workload.
     has_vllm: bool = False
+    #: Why vLLM's run of this workload failed (``"TypeError: ..."``), if it did.
+    vllm_error: str | None = None
 
     @property
     def python_per_op(self) -> float:
@@ -138,13 +140,18 @@ def run(
             _progress(i * rounds, total, f"{spec.name} (building)", progress)
         workload = spec.build()
         times: dict[str, list[float]] = {name: [] for name in (*backends, "vllm")}
+        vllm_error = None
         for r in range(rounds):
             if progress is not None:
                 _progress(i * rounds + r, total, workload.name, progress)
             for name, backend in backends.items():
                 times[name].append(_time_once(workload, backend))
-            if with_vllm and workload.vllm_setup and workload.vllm_run:
-                times["vllm"].append(_time_vllm_once(workload.vllm_setup, workload.vllm_run))
+            if with_vllm and workload.vllm_setup and workload.vllm_run and vllm_error is None:
+                try:
+                    times["vllm"].append(_time_vllm_once(workload.vllm_setup, workload.vllm_run))
+                except Exception as exc:  # vLLM's failure is reported, not fatal
+                    vllm_error = f"{type(exc).__name__}: {exc}"
+                    times["vllm"].clear()
         results.append(
             BenchResult(
                 workload.name,
@@ -156,6 +163,7 @@ def run(
                 times["rust"],
                 times["vllm"],
                 has_vllm=workload.vllm_setup is not None and workload.vllm_run is not None,
+                vllm_error=vllm_error,
             )
         )
         del workload
@@ -181,10 +189,14 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         "|---|---|---:|---:|---:|---|",
     ]
     absent = False
+    failures: list[str] = []
     for r in results:
         vllm_per_op, vllm_ratio = r.vllm_per_op, r.vllm_ratio
         if vllm_per_op is not None and vllm_ratio is not None:
             vllm = f"{_fmt_time(vllm_per_op)} / {r.op_name} (native {vllm_ratio:.1f}x)"
+        elif r.vllm_error is not None:
+            failures.append(f"{r.name}: {r.vllm_error}")
+            vllm = "failed²"
         elif r.has_vllm:
             vllm, absent = "absent¹", True
         else:
@@ -195,6 +207,8 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         )
     if absent:
         lines += ["", f"¹ {vllm_status()}."]
+    if failures:
+        lines += ["", f"² vLLM's run failed: {'; '.join(failures)}."]
     return "\n".join(lines)
 
 
