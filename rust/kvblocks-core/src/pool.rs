@@ -415,7 +415,7 @@ impl BlockPool {
     }
 
     /// Heap bytes held by the pool. With every block cached under a distinct hash this
-    /// stays below 160 bytes per block (see `tests/pool_golden.rs`).
+    /// stays below 100 bytes per block (see `tests/pool_golden.rs`).
     pub fn heap_bytes(&self) -> usize {
         (self.ref_cnt.capacity() + self.scratch.capacity()) * std::mem::size_of::<u32>()
             + self.free_queue.heap_bytes()
