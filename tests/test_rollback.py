@@ -648,3 +648,17 @@ def test_recompute_in_strict_mode_leaves_no_stale_block_reachable(
         assert outcome.evicted_block_ids == set()
         assert hits == table[:4] and num_hit == 16  # the stale blocks are still hit
     manager.block_pool.check_invariants()
+
+
+def test_outcome_reprs_match_the_reference(backend: ModuleType) -> None:
+    """Both result types show their fields as the reference does (sets as Python sets)."""
+    outcome = backend.InvalidBlocksOutcome(set(), {"a"}, set(), {7}, 16)
+    assert repr(outcome) == (
+        "InvalidBlocksOutcome(failed_req_ids=set(), rescheduled_req_ids={'a'}, "
+        "retry_req_ids=set(), evicted_block_ids={7}, total_affected_tokens=16)"
+    )
+    result = backend.rollback_invalid_blocks([[1, 2, 3], [4, 5]], [48, 32], [0, 0], [2], 16)
+    assert repr(result) == (
+        "RollbackResult(num_computed_tokens=[16, 32], affected=[0], "
+        "total_affected_tokens=32, blocks_to_evict=[2, 3])"
+    )

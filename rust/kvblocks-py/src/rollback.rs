@@ -224,22 +224,19 @@ impl PyInvalidBlocksOutcome {
         })
     }
 
-    fn __repr__(&self) -> String {
-        fn sorted(s: &HashSet<String>) -> Vec<&String> {
-            let mut v: Vec<&String> = s.iter().collect();
-            v.sort();
-            v
-        }
-        let mut evicted: Vec<&i64> = self.evicted_block_ids.iter().collect();
-        evicted.sort();
-        format!(
-            "InvalidBlocksOutcome(failed_req_ids={:?}, rescheduled_req_ids={:?}, retry_req_ids={:?}, evicted_block_ids={:?}, total_affected_tokens={})",
-            sorted(&self.failed_req_ids),
-            sorted(&self.rescheduled_req_ids),
-            sorted(&self.retry_req_ids),
-            evicted,
+    /// The reference's repr: the sets as Python shows them.
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let ids = |s: &HashSet<String>| -> PyResult<String> {
+            Ok(PySet::new(py, s)?.repr()?.to_string())
+        };
+        Ok(format!(
+            "InvalidBlocksOutcome(failed_req_ids={}, rescheduled_req_ids={}, retry_req_ids={}, evicted_block_ids={}, total_affected_tokens={})",
+            ids(&self.failed_req_ids)?,
+            ids(&self.rescheduled_req_ids)?,
+            ids(&self.retry_req_ids)?,
+            PySet::new(py, &self.evicted_block_ids)?.repr()?,
             self.total_affected_tokens
-        )
+        ))
     }
 }
 
