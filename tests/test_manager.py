@@ -6,6 +6,7 @@ test shows that any duck-typed request works.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -648,3 +649,22 @@ def test_prefix_cache_stats_record_a_reset(backend: ModuleType) -> None:
     stats = manager.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits, stats.reset) == (1, 5, 4, True)
     assert manager.make_prefix_cache_stats().reset is False
+
+
+def test_block_pool_is_one_object_and_collectable(backend: ModuleType) -> None:
+    """``manager.block_pool`` is the same object on every access, and a manager whose
+    pool was used is freed once unreachable (natively the view and its manager refer to
+    each other, a cycle the garbage collector must see)."""
+
+    def managers() -> list[Any]:
+        return [obj for obj in gc.get_objects() if isinstance(obj, backend.KVCacheManager)]
+
+    gc.collect()
+    before = len(managers())
+    manager = backend.KVCacheManager(8, 16)
+    pool = manager.block_pool
+    assert pool is manager.block_pool
+    assert len(managers()) == before + 1, "the collector does not track managers"
+    del manager, pool
+    gc.collect()
+    assert len(managers()) == before

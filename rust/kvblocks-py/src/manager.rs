@@ -8,6 +8,7 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use kvblocks_core::manager::{
     HashSource, KVCacheManager as CoreManager, PrefixCacheStats, RequestView, SlotRequest,
@@ -15,6 +16,7 @@ use kvblocks_core::manager::{
 use kvblocks_core::{BlockHash, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
+use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::{int_column, Flag};
 use crate::errors::IntoPyResult;
@@ -239,6 +241,10 @@ pub struct PyKVCacheManager {
     block_size: i64,
     /// `Some` iff KV cache events are on.
     events: Option<EventState>,
+    /// The `block_pool` view, made on first access and then always the same object, as
+    /// the reference's attribute is. It refers back to the manager: the cycle is the
+    /// garbage collector's (`__traverse__` / `__clear__` below).
+    pool_view: OnceLock<Py<PyBlockPool>>,
 }
 
 #[pymethods]
@@ -287,14 +293,40 @@ impl PyKVCacheManager {
             inner,
             block_size,
             events,
+            pool_view: OnceLock::new(),
         })
     }
 
     /// The pool the block tables draw from.
     #[getter]
-    fn block_pool(slf: &Bound<'_, Self>) -> PyResult<PyBlockPool> {
-        let block_size = slf.try_borrow()?.block_size;
-        Ok(PyBlockPool::of_manager(slf.clone().unbind(), block_size))
+    fn block_pool(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
+        let py = slf.py();
+        let this = slf.try_borrow()?;
+        if let Some(view) = this.pool_view.get() {
+            return Ok(view.clone_ref(py));
+        }
+        let view = Py::new(
+            py,
+            PyBlockPool::of_manager(slf.clone().unbind(), this.block_size),
+        )?;
+        // A collection inside `Py::new` may run Python code that got here first: the
+        // view handed out is whichever was stored.
+        let _ = this.pool_view.set(view.clone_ref(py));
+        Ok(this
+            .pool_view
+            .get()
+            .map_or(view.clone_ref(py), |stored| stored.clone_ref(py)))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(view) = self.pool_view.get() {
+            visit.call(view)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.pool_view.take();
     }
 
     /// Tokens per block.

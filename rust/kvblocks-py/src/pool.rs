@@ -11,7 +11,7 @@ use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
-use pyo3::{ffi, Borrowed};
+use pyo3::{ffi, Borrowed, PyTraverseError, PyVisit};
 
 use crate::convert::{int_column, type_name, Flag, IntColumn};
 use crate::errors::IntoPyResult;
@@ -293,6 +293,14 @@ impl PyBlockPool {
 
 #[pymethods]
 impl PyBlockPool {
+    /// A manager's view refers to its manager (and the manager to its view).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let PoolSource::Manager(manager) = &self.source {
+            visit.call(manager)?;
+        }
+        Ok(())
+    }
+
     #[new]
     #[pyo3(
         signature = (num_blocks, enable_caching=Flag::TRUE, *, block_size=16),
