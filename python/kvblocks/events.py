@@ -52,7 +52,6 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -690,11 +689,6 @@ class EventSubscriber:
         if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
             raise ValueError(f"expected (topic, seq, payload), got {len(frames)} frames")
         return int.from_bytes(frames[1], "big"), self.decode(frames[2])
-
-    def iter_available(self, timeout: float) -> Iterator[tuple[int, SequencedKVEventBatch]]:
-        """Yields live batches until none arrives for ``timeout`` seconds."""
-        while (item := self.recv(timeout)) is not None:
-            yield item
 
     def replay(self, start_seq: int, timeout: float) -> list[tuple[int, SequencedKVEventBatch]]:
         """Asks the replay socket for the buffered batches from ``start_seq`` on.

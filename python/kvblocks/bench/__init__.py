@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any, TextIO
 
 from kvblocks import load_backend
+from kvblocks._output import format_seconds, headless_pyplot, progress_bar
 from kvblocks.bench import vllm_runner
 from kvblocks.bench.workloads import Workload, WorkloadSpec, all_workloads
 
@@ -77,15 +78,12 @@ def vllm_status() -> str:
 
 
 def _progress(done: int, total: int, label: str, out: TextIO) -> None:
-    width = 28
-    filled = width * done // max(total, 1)
-    bar = "#" * filled + "-" * (width - filled)
-    out.write(f"\r[{bar}] {done}/{total} {label[:40]:<40}")
+    out.write(f"\r{progress_bar(done, total, 28)} {done}/{total} {label[:40]:<40}")
     out.flush()
 
 
-def _time_once(workload: Workload, backend: ModuleType) -> float:
-    """One timed run on a fresh state.
+def _timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> tuple[float, Any, Any]:
+    """``run(setup())``, timed; returns ``(seconds, state, result)``.
 
     Everything that exists before the timed region (the workload's script, the fresh
     state, the other backend's leftovers) is moved to the garbage collector's permanent
@@ -95,29 +93,23 @@ def _time_once(workload: Workload, backend: ModuleType) -> float:
     inputs from the CPU caches. Garbage frozen with the rest goes back to the oldest
     generation at ``gc.unfreeze()``; :func:`run` collects it between workloads.
     """
-    state = workload.setup(backend)
-    gc.freeze()
-    try:
-        start = time.perf_counter()
-        result = workload.run(backend, state)
-        elapsed = time.perf_counter() - start
-    finally:
-        gc.unfreeze()
-    workload.check(state, result)
-    return elapsed
-
-
-def _time_vllm_once(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
-    """:func:`_time_once` for the vLLM column (its results are checked against the
-    reference in ``benches/test_vllm_column.py``)."""
     state = setup()
     gc.freeze()
     try:
         start = time.perf_counter()
-        run(state)
+        result = run(state)
         elapsed = time.perf_counter() - start
     finally:
         gc.unfreeze()
+    return elapsed, state, result
+
+
+def _time_once(workload: Workload, backend: ModuleType) -> float:
+    """One timed run of ``workload`` on ``backend``, from a fresh state, then checked."""
+    elapsed, state, result = _timed(
+        lambda: workload.setup(backend), lambda state: workload.run(backend, state)
+    )
+    workload.check(state, result)
     return elapsed
 
 
@@ -148,7 +140,9 @@ def run(
                 times[name].append(_time_once(workload, backend))
             if with_vllm and workload.vllm_setup and workload.vllm_run and vllm_error is None:
                 try:
-                    times["vllm"].append(_time_vllm_once(workload.vllm_setup, workload.vllm_run))
+                    # Its results are checked against the reference's in
+                    # benches/test_vllm_column.py.
+                    times["vllm"].append(_timed(workload.vllm_setup, workload.vllm_run)[0])
                 except Exception as exc:  # vLLM's failure is reported, not fatal
                     vllm_error = f"{type(exc).__name__}: {exc}"
                     times["vllm"].clear()
@@ -174,13 +168,6 @@ def run(
     return results
 
 
-def _fmt_time(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.2f} {unit}"
-    return f"{seconds / 1e-9:.0f} ns"
-
-
 def markdown_table(results: Sequence[BenchResult]) -> str:
     """The results as a Markdown table, with the vLLM column and its footnote."""
     lines = [
@@ -193,7 +180,7 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
     for r in results:
         vllm_per_op, vllm_ratio = r.vllm_per_op, r.vllm_ratio
         if vllm_per_op is not None and vllm_ratio is not None:
-            vllm = f"{_fmt_time(vllm_per_op)} / {r.op_name} (native {vllm_ratio:.1f}x)"
+            vllm = f"{format_seconds(vllm_per_op)} / {r.op_name} (native {vllm_ratio:.1f}x)"
         elif r.vllm_error is not None:
             failures.append(f"{r.name}: {r.vllm_error}")
             vllm = "failed²"
@@ -202,8 +189,8 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         else:
             vllm = "—"
         lines.append(
-            f"| `{r.name}` | {r.description} | {_fmt_time(r.python_per_op)} / {r.op_name} "
-            f"| {_fmt_time(r.rust_per_op)} / {r.op_name} | **{r.ratio:.1f}x** | {vllm} |"
+            f"| `{r.name}` | {r.description} | {format_seconds(r.python_per_op)} / {r.op_name} "
+            f"| {format_seconds(r.rust_per_op)} / {r.op_name} | **{r.ratio:.1f}x** | {vllm} |"
         )
     if absent:
         lines += ["", f"¹ {vllm_status()}."]
@@ -238,12 +225,8 @@ def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
     written = [out_dir / "results.json", out_dir / "results.md"]
     written[0].write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     written[1].write_text(markdown_table(results) + "\n", encoding="utf-8")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = headless_pyplot()
+    if plt is None:
         return written
     fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(results)))
     names = [r.name for r in results]

@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from kvblocks.bench import vllm_runner
+from kvblocks.reference.hashing import HASH_FUNCTIONS
 
 __all__ = ["ALGOS", "Workload", "WorkloadSpec", "all_workloads"]
 
@@ -500,7 +501,7 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
 
 # --------------------------------------------------------------------------- registry
 
-ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+ALGOS = tuple(HASH_FUNCTIONS)
 
 
 def _events_available() -> bool:

@@ -33,6 +33,7 @@ from kvblocks.reference.kv_cache_utils import (
     check_non_negative,
     check_positive,
     to_block_hash,
+    to_block_hashes,
     to_int_list,
 )
 
@@ -281,9 +282,7 @@ class BlockPool:
             return
         # Only the hashes of the blocks to cache are read (the caller passes the
         # request's whole hash list, as vLLM does).
-        new_hashes = [to_block_hash(h) for h in hashes[num_cached_blocks:num_full_blocks]]
-        for block_hash in new_hashes:
-            check_block_hash(block_hash)
+        new_hashes = to_block_hashes(hashes[num_cached_blocks:num_full_blocks])
         # 4. State: each block to cache must be unhashed (a full block is cached once).
         to_cache: list[tuple[BlockState, bytes]] = []
         seen: set[int] = set()

@@ -30,6 +30,7 @@ from kvblocks.reference.kv_cache_utils import (
     check_non_negative,
     check_positive,
     to_block_hash,
+    to_block_hashes,
     to_int_list,
 )
 
@@ -206,12 +207,9 @@ class KVCacheManager:
         if not self._enable_caching:
             return [], 0
         max_num_blocks = max(num_tokens - 1, 0) // self._block_size
-        hits: list[int] = []
-        for block_hash in request.block_hashes[:max_num_blocks]:
-            found = self._block_pool.get_cached_block(block_hash, (_GROUP_ID,))
-            if found is None:
-                break
-            hits.append(found[0])
+        hits = self._block_pool.find_longest_cache_hit(
+            request.block_hashes[:max_num_blocks], _GROUP_ID
+        )
         return hits, len(hits) * self._block_size
 
     # ------------------------------------------------------------------ allocation
@@ -526,9 +524,7 @@ class KVCacheManager:
         for block_id in req_blocks[num_cached:num_full]:
             if self._block_pool.get_block(block_id).block_hash is not None:
                 raise BlockStateError(f"block {block_id} already has a hash")
-        hashes = [to_block_hash(h) for h in block_hashes[num_cached:num_full]]
-        for block_hash in hashes:
-            check_block_hash(block_hash)
+        hashes = to_block_hashes(block_hashes[num_cached:num_full])
         event = None
         if self._enable_kv_cache_events:
             event = self._block_stored_event(request, hashes, num_cached, num_full)

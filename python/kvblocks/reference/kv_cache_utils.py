@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, SupportsIndex
 
 from kvblocks.errors import UnknownBlockError
 
@@ -32,6 +33,7 @@ __all__ = [
     "check_non_negative",
     "check_positive",
     "to_block_hash",
+    "to_block_hashes",
     "to_int_list",
 ]
 
@@ -65,13 +67,22 @@ def cdiv(a: int, b: int) -> int:
 # Only when all of them pass is anything mutated.
 
 
-def to_int_list(values: Iterable[int]) -> list[int]:
+def to_int_list(values: Iterable[SupportsIndex]) -> list[int]:
     """Materialises ``values`` as a list of ints, converting each with ``operator.index``.
+
+    A one-dimensional NumPy integer array converts in C (``tolist``); anything else goes
+    item by item.
 
     Raises:
         TypeError: ``values`` is not iterable, or an item is not an integer (the message is
             ``operator.index``'s, e.g. ``'float' object cannot be interpreted as an integer``).
     """
+    if not isinstance(values, list):
+        array: Any = values
+        kind = getattr(getattr(array, "dtype", None), "kind", None)
+        if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
+            ints: list[int] = array.tolist()
+            return ints
     return [operator.index(v) for v in values]
 
 
@@ -96,6 +107,19 @@ def check_block_hash(block_hash: bytes) -> None:
         raise ValueError(
             f"block hash must be at most {MAX_BLOCK_HASH_LEN} bytes, got {len(block_hash)}"
         )
+
+
+def to_block_hashes(values: Iterable[object]) -> list[bytes]:
+    """Block hashes checked as a batch: every type first, then every length.
+
+    Raises:
+        TypeError: as :func:`to_block_hash`, for the first non-``bytes`` value.
+        ValueError: as :func:`check_block_hash`, for the first hash too long.
+    """
+    hashes = [to_block_hash(value) for value in values]
+    for block_hash in hashes:
+        check_block_hash(block_hash)
+    return hashes
 
 
 def check_block_ids(block_ids: Iterable[int], num_blocks: int) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, SupportsIndex
 
 from kvblocks.reference.hashing import check_token_ids
-from kvblocks.reference.kv_cache_utils import check_block_hash, to_block_hash
+from kvblocks.reference.kv_cache_utils import to_block_hashes
 
 __all__ = ["Request"]
 
@@ -227,9 +227,7 @@ class Request:
         if self._block_hasher is not None:
             # Collected and checked in full before any is kept, so that a hasher failing
             # half-way (or returning a bad hash) leaves ``block_hashes`` unchanged.
-            new_hashes = [to_block_hash(h) for h in self._block_hasher(self)]
-            for block_hash in new_hashes:
-                check_block_hash(block_hash)
+            new_hashes = to_block_hashes(self._block_hasher(self))
             self._block_hashes.extend(new_hashes)
 
     def __repr__(self) -> str:

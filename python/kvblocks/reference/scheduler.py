@@ -37,9 +37,15 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, SupportsIndex
+from typing import Protocol, SupportsIndex
 
 from kvblocks.errors import UnsupportedLayoutError
+from kvblocks.reference.kv_cache_utils import (
+    cdiv,
+    check_non_negative,
+    check_positive,
+    to_int_list,
+)
 
 __all__ = [
     "BlockTableSource",
@@ -60,8 +66,9 @@ MULTIPLE_GROUPS_MESSAGE = (
     "requests via KVConnectorTransferResults.failed_recving instead."
 )
 
-_MODES = ("vllm", "strict")
-_POLICIES = ("fail", "recompute")
+#: The rollback modes and load-failure policies the entry points take.
+MODES = ("vllm", "strict")
+POLICIES = ("fail", "recompute")
 
 
 class RequestLike(Protocol):
@@ -177,10 +184,10 @@ def rollback_invalid_blocks(
             too short to hold the tokens computed before this step.
     """
     strict = _check_mode(mode)
-    tables = [_as_ints(table) for table in block_tables]
-    computed = _as_ints(num_computed_tokens)
-    scheduled = _as_ints(num_scheduled_tokens)
-    invalid = set(_as_ints(invalid_block_ids))
+    tables = [to_int_list(table) for table in block_tables]
+    computed = to_int_list(num_computed_tokens)
+    scheduled = to_int_list(num_scheduled_tokens)
+    invalid = set(to_int_list(invalid_block_ids))
     size = operator.index(block_size)
     _validate_columns(tables, computed, scheduled, invalid, size)
 
@@ -196,7 +203,7 @@ def rollback_invalid_blocks(
         _check_block_ids(i, block_ids)
         # Tokens computed before this step; only their blocks were loaded.
         req_num_computed_tokens = computed[i] - scheduled[i]
-        scanned = block_ids[: _cdiv(req_num_computed_tokens, size)]
+        scanned = block_ids[: cdiv(req_num_computed_tokens, size)]
         if invalid.isdisjoint(scanned):
             continue  # the common case, decided at C speed
         affected.append(i)
@@ -267,6 +274,7 @@ def update_requests_with_invalid_blocks(
     _check_mode(mode)
     _check_single_group(kv_cache_manager)
     batch = list(requests)
+    _check_unique(batch)
     result = _rollback_requests(
         kv_cache_manager,
         batch,
@@ -405,8 +413,7 @@ def handle_failed_recving(
     matched = [request for request in waiting if request.request_id in failed]
     lost = [operator.index(request.num_computed_tokens) for request in matched]
     for value in lost:
-        if value < 0:
-            raise ValueError(f"num_computed_tokens must be non-negative, got {value}")
+        check_non_negative("num_computed_tokens", value)
     matched_ids = {request.request_id for request in matched}
     if recompute:
         for request in matched:
@@ -429,8 +436,8 @@ def _rollback_requests(
     collect_evictions: bool,
     mode: str,
 ) -> RollbackResult:
-    """Gathers the columns of ``requests`` and runs :func:`rollback_invalid_blocks`."""
-    _check_unique(requests)
+    """Gathers the columns of ``requests`` (distinct, as the callers check) and runs
+    :func:`rollback_invalid_blocks`."""
     block_tables: list[Sequence[int]] = []
     for request in requests:
         groups = kv_cache_manager.get_block_ids(request.request_id)
@@ -463,8 +470,7 @@ def _validate_columns(
     block_size: int,
 ) -> None:
     """Every check that needs no block table contents, in the order both backends use."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    check_positive("block_size", block_size)
     if not len(tables) == len(computed) == len(scheduled):
         raise ValueError(
             "block_tables, num_computed_tokens and num_scheduled_tokens must have the same "
@@ -473,17 +479,15 @@ def _validate_columns(
     if invalid and min(invalid) < 0:
         raise ValueError(f"invalid_block_ids must be non-negative, got {min(invalid)}")
     for i, (block_ids, c, s) in enumerate(zip(tables, computed, scheduled, strict=True)):
-        if c < 0:
-            raise ValueError(f"num_computed_tokens[{i}] must be non-negative, got {c}")
-        if s < 0:
-            raise ValueError(f"num_scheduled_tokens[{i}] must be non-negative, got {s}")
+        check_non_negative(f"num_computed_tokens[{i}]", c)
+        check_non_negative(f"num_scheduled_tokens[{i}]", s)
         if s > c:
             raise ValueError(
                 f"num_scheduled_tokens[{i}] = {s} exceeds num_computed_tokens[{i}] = {c}"
             )
         # vLLM zips the scan range with the table, silently stopping at its end; a
         # table that short cannot hold the tokens it claims, so it is refused.
-        needed = _cdiv(c - s, block_size)
+        needed = cdiv(c - s, block_size)
         if len(block_ids) < needed:
             raise ValueError(
                 f"block_tables[{i}] has {len(block_ids)} blocks, fewer than the {needed} "
@@ -515,32 +519,13 @@ def _check_single_group(kv_cache_manager: object) -> None:
 
 def _check_mode(mode: str) -> bool:
     """Validates ``mode``; returns whether it is strict."""
-    if mode not in _MODES:
+    if mode not in MODES:
         raise ValueError(f"mode must be 'vllm' or 'strict', got {mode!r}")
     return mode == "strict"
 
 
 def _check_policy(policy: str) -> bool:
     """Validates ``policy``; returns whether it is ``recompute``."""
-    if policy not in _POLICIES:
+    if policy not in POLICIES:
         raise ValueError(f"policy must be 'fail' or 'recompute', got {policy!r}")
     return policy == "recompute"
-
-
-def _as_ints(values: Iterable[SupportsIndex]) -> list[int]:
-    """A list of Python ints from a sequence or a NumPy array.
-
-    One-dimensional NumPy integer arrays convert in C; everything else goes through
-    ``operator.index``, which raises the TypeError a non-integer deserves.
-    """
-    array: Any = values
-    kind = getattr(getattr(array, "dtype", None), "kind", None)
-    if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
-        ints: list[int] = array.tolist()
-        return ints
-    return [operator.index(value) for value in values]
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Ceiling division for ``a >= 0, b > 0`` (vLLM's ``cdiv``)."""
-    return -(-a // b)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvblocks.reference.hashing import HASH_FUNCTIONS
+from kvblocks.reference.kv_cache_utils import cdiv
+from kvblocks.reference.scheduler import MODES, POLICIES
 from kvblocks.sim.workload import WORKLOADS, WorkloadParams
 
 __all__ = ["HASH_ALGOS", "MODES", "POLICIES", "SimConfig"]
 
-#: ``--policy``: vLLM's ``kv_load_failure_policy``.
-POLICIES = ("fail", "recompute")
-#: ``--mode``: the rollback mode of ``handle_invalid_blocks``.
-MODES = ("vllm", "strict")
 #: ``--hash-algo``: the block hash functions ``BlockHasher`` knows.
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+HASH_ALGOS = tuple(HASH_FUNCTIONS)
 
 #: Prompt tokens are capped this far below ``max_model_len`` (outputs are at most 64).
 _OUTPUT_HEADROOM = 128
@@ -117,7 +116,7 @@ class SimConfig:
         if self.max_model_len < 1024 + _OUTPUT_HEADROOM:
             minimum = 1024 + _OUTPUT_HEADROOM
             raise ValueError(f"max_model_len must be at least {minimum}, got {self.max_model_len}")
-        needed = -(-self.max_model_len // self.block_size)
+        needed = cdiv(self.max_model_len, self.block_size)
         if needed > self.num_blocks - 1:
             raise ValueError(
                 f"num_blocks {self.num_blocks} cannot hold one request of max_model_len "

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from kvblocks._output import format_seconds, headless_pyplot, progress_bar
 from kvblocks.sim.scheduler import HIT_RATE_WINDOW
 
 if TYPE_CHECKING:
@@ -51,11 +52,8 @@ class Progress:
         c = sim.counters
         total = max(sim.config.num_requests, 1)
         done = c.finished + c.failed
-        width = 30
-        filled = width * done // total
-        bar = "#" * filled + "-" * (width - filled)
         self.out.write(
-            f"\r{self.label} [{bar}] {done}/{sim.config.num_requests} "
+            f"\r{self.label} {progress_bar(done, total, 30)} {done}/{sim.config.num_requests} "
             f"step {sim.step} usage {sim.pool.get_usage():4.0%} "
             f"running {len(sim.running):>3} waiting {len(sim.waiting):>4}"
         )
@@ -68,14 +66,6 @@ class Progress:
         self._draw(self._sim)
         self.out.write("\n")
         self.out.flush()
-
-
-def _fmt_time(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
 
 
 def _rows(s: Summary, policy: str) -> list[tuple[str, str]]:
@@ -102,9 +92,9 @@ def _rows(s: Summary, policy: str) -> list[tuple[str, str]]:
         ("outputs over stale KV (reqs)", f"{s.stale_reads} ({s.stale_outputs})"),
         ("stale blocks left cached", str(s.stale_hashed_blocks)),
         ("hashed behind shared invalid", str(s.shared_tail_hashed)),
-        ("scheduler time / step", _fmt_time(s.mean_step_s)),
-        ("checks passed (time)", f"{s.checks_passed} ({_fmt_time(s.check_s)})"),
-        ("wall time", _fmt_time(s.wall_s)),
+        ("scheduler time / step", format_seconds(s.mean_step_s)),
+        ("checks passed (time)", f"{s.checks_passed} ({format_seconds(s.check_s)})"),
+        ("wall time", format_seconds(s.wall_s)),
     ]
 
 
@@ -170,12 +160,8 @@ def write_outputs(
 
 def _plot(result: SimResult, path: Path) -> Path | None:
     """Usage and hit rate over time (and queue lengths), if matplotlib is there."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = headless_pyplot()
+    if plt is None:
         return None
     series = result.series
     cfg = result.config

@@ -44,6 +44,7 @@ from types import ModuleType
 from typing import Any
 
 from kvblocks.errors import KVBlocksError
+from kvblocks.reference.kv_cache_utils import cdiv
 from kvblocks.sim.checks import (
     Checker,
     CheckError,
@@ -95,7 +96,6 @@ class SimRequest:
         num_output: Output tokens accepted so far.
         num_preemptions: Times it was preempted.
         load: Its async load, while one is in flight or not yet processed.
-        load_landed: The connector reported ``load`` finished.
         free_delayed: Failed while its transfer was in flight: its blocks are freed
             when the connector reports it finished.
         stale_output: Some accepted output of it was computed over stale KV.
@@ -108,7 +108,6 @@ class SimRequest:
     num_output: int = 0
     num_preemptions: int = 0
     load: ExternalLoad | None = None
-    load_landed: bool = False
     free_delayed: bool = False
     stale_output: bool = False
 
@@ -481,10 +480,6 @@ class Simulator:
         """The requests whose tables hold blocks."""
         return [s for s in self.requests.values() if s.table]
 
-    def live_requests(self) -> list[SimRequest]:
-        """Requests not final, or still holding blocks."""
-        return list(self.requests.values())
-
     def stale_hashed_blocks(self) -> int:
         """Stale blocks that are in the prefix cache now."""
         return sum(1 for b in self.ledger.stale if self.pool.get_block(b).block_hash is not None)
@@ -670,6 +665,7 @@ class Simulator:
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim, plan)
+                self.waiting.appendleft(victim)
                 preempted = True
                 if victim is s:
                     break
@@ -713,11 +709,11 @@ class Simulator:
         plan.freed.append(s.spec.request_id)
 
     def _preempt(self, s: SimRequest, plan: _Plan) -> None:
+        """Frees ``s``'s blocks and sends it back to be recomputed (the caller queues it)."""
         self._free(s, plan)
         s.req.num_computed_tokens = 0
         s.status = Status.PREEMPTED
         s.num_preemptions += 1
-        self.waiting.appendleft(s)
         self.counters.preemptions += 1
         plan.preempted.append(s.spec.request_id)
 
@@ -758,7 +754,6 @@ class Simulator:
             r.num_computed_tokens = r.num_tokens - 1
         self.finished_recving_ids.discard(rid)
         s.load = None
-        s.load_landed = False
         s.status = Status.PREEMPTED if s.num_preemptions else Status.WAITING
 
     def _admit(self, s: SimRequest, budget: int, plan: _Plan) -> int | None:
@@ -773,56 +768,45 @@ class Simulator:
             num_external, is_async = self.connector.get_num_new_matched_tokens(
                 rid, r.num_tokens, s.spec.remote_prefix_tokens, num_local
             )
-        if is_async:
-            new_blocks = self.manager.allocate_slots(
-                r,
-                0,
-                num_local,
-                hits,
-                num_external_computed_tokens=num_external,
-                delay_cache_blocks=True,
-            )
-            if new_blocks is None:
-                return None
-            self._record_stats(r, num_local)
-            self._adopt(
-                s,
-                hits=hits,
-                new_blocks=new_blocks,
-                num_local=num_local,
-                num_external=num_external,
-                is_async=True,
-                plan=plan,
-            )
-            r.num_computed_tokens = num_local + num_external
-            s.status = Status.WAITING_FOR_REMOTE_KVS
-            plan.async_started.append(rid)
-            self.counters.admissions += 1
-            return 0
-        num_new: int = min(r.num_tokens - r.num_computed_tokens - num_local - num_external, budget)
+        # An async load holds the request until its KV lands: no tokens run this step
+        # and its blocks are cached only once the load is processed.
+        num_new = (
+            0
+            if is_async
+            else min(r.num_tokens - r.num_computed_tokens - num_local - num_external, budget)
+        )
         new_blocks = self.manager.allocate_slots(
-            r, num_new, num_local, hits, num_external_computed_tokens=num_external
+            r,
+            num_new,
+            num_local,
+            hits,
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=is_async,
         )
         if new_blocks is None:
             return None
         if fresh:
             self._record_stats(r, num_local)
-        if hits or num_external:
+        if is_async or hits or num_external:
             self._adopt(
                 s,
                 hits=hits,
                 new_blocks=new_blocks,
                 num_local=num_local,
                 num_external=num_external,
-                is_async=False,
+                is_async=is_async,
                 plan=plan,
             )
         else:
             self._extend(s, new_blocks)
         r.num_computed_tokens = r.num_computed_tokens + num_local + num_external
+        self.counters.admissions += 1
+        if is_async:
+            s.status = Status.WAITING_FOR_REMOTE_KVS
+            plan.async_started.append(rid)
+            return 0
         s.status = Status.RUNNING
         plan.admitted.append(rid)
-        self.counters.admissions += 1
         self._scheduled(s, num_new, plan)
         return num_new
 
@@ -847,7 +831,7 @@ class Simulator:
         size = self.config.block_size
         (table,) = self.manager.get_block_ids(rid)
         table = list(table)
-        num_external_blocks = -(-(num_local + num_external) // size) - len(hits)
+        num_external_blocks = cdiv(num_local + num_external, size) - len(hits)
         external = table[len(hits) : len(hits) + max(num_external_blocks, 0)]
         expected = [*hits, *external, *new_blocks]
         if table != expected or len(external) != max(num_external_blocks, 0):
@@ -877,7 +861,6 @@ class Simulator:
         if is_async:
             c.async_loads += 1
             s.load = load
-            s.load_landed = False
         else:
             c.sync_loads += 1
             plan.sync_loads.append((s, load))
@@ -887,19 +870,14 @@ class Simulator:
         if self.running or not self.waiting or self.connector.has_pending():
             return
         for s in reversed(self.waiting):
-            if s.table and (s.status is not Status.WAITING_FOR_REMOTE_KVS or s.load_landed):
-                rid = s.spec.request_id
+            rid = s.spec.request_id
+            landed = rid in self.finished_recving_ids
+            if s.table and (s.status is not Status.WAITING_FOR_REMOTE_KVS or landed):
                 self.finished_recving_ids.discard(rid)
                 self.failed_recving_ids.discard(rid)
                 s.load = None
-                s.load_landed = False
-                self._free(s, plan)
-                s.req.num_computed_tokens = 0
-                s.status = Status.PREEMPTED
-                s.num_preemptions += 1
-                self.counters.preemptions += 1
+                self._preempt(s, plan)  # already in the waiting queue
                 self.counters.stall_preemptions += 1
-                plan.preempted.append(rid)
                 return
         raise CheckError(self.step, "stalled", "nothing can be scheduled and nothing is in flight")
 
@@ -1036,7 +1014,6 @@ class Simulator:
             )
             if s.status is Status.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_ids.add(load.request_id)
-                s.load_landed = True
             elif s.free_delayed:
                 s.free_delayed = False
                 s.load = None

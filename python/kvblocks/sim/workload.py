@@ -28,6 +28,8 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvblocks.reference.kv_cache_utils import cdiv
+
 __all__ = [
     "VOCAB_SIZE",
     "WORKLOADS",
@@ -114,7 +116,7 @@ def _stream(key: str, num_tokens: int) -> list[int]:
     Chunks are seeded separately, so a shorter read is a prefix of a longer one.
     """
     tokens = array("H")
-    for chunk in range(-(-num_tokens // _CHUNK)):
+    for chunk in range(cdiv(num_tokens, _CHUNK)):
         tokens.frombytes(random.Random(f"{key}/{chunk}").randbytes(2 * _CHUNK))
     return tokens[:num_tokens].tolist()
 

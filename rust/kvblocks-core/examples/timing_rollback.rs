@@ -13,6 +13,10 @@ use std::time::{Duration, Instant};
 
 use kvblocks_core::rollback::{rollback_invalid_blocks, Batch, BlockIds, Mode, Rollback};
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+use common::{as_i32, as_u32};
+
 /// A deterministic xorshift stream (no extra dependency for the timing data).
 struct Rng(u64);
 
@@ -23,20 +27,6 @@ impl Rng {
         self.0 ^= self.0 << 17;
         self.0 % n
     }
-}
-
-fn as_i32(tables: &[Vec<i64>]) -> Vec<Vec<i32>> {
-    tables
-        .iter()
-        .map(|t| t.iter().map(|&b| i32::try_from(b).unwrap_or(-1)).collect())
-        .collect()
-}
-
-fn as_u32(tables: &[Vec<i64>]) -> Vec<Vec<u32>> {
-    tables
-        .iter()
-        .map(|t| t.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect())
-        .collect()
 }
 
 /// Best of 7 wall-clock times of one rollback of `tables`, and its result.

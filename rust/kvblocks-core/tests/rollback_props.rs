@@ -14,6 +14,9 @@ use kvblocks_core::rollback::{
 use kvblocks_core::Error;
 use proptest::prelude::*;
 
+mod common;
+use common::{as_i32, as_u32};
+
 /// A valid random batch: small id range so requests share blocks and ids repeat.
 #[derive(Debug, Clone)]
 struct Case {
@@ -118,20 +121,6 @@ fn vllm_reference(c: &Case) -> (Vec<i64>, Vec<usize>, i128, Vec<i64>) {
 
 fn cdiv(a: i64, b: i64) -> usize {
     usize::try_from((a + b - 1) / b).unwrap_or(0)
-}
-
-fn as_i32(tables: &[Vec<i64>]) -> Vec<Vec<i32>> {
-    tables
-        .iter()
-        .map(|t| t.iter().map(|&b| i32::try_from(b).unwrap_or(-1)).collect())
-        .collect()
-}
-
-fn as_u32(tables: &[Vec<i64>]) -> Vec<Vec<u32>> {
-    tables
-        .iter()
-        .map(|t| t.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect())
-        .collect()
 }
 
 proptest! {

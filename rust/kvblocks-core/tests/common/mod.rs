@@ -1,5 +1,6 @@
-//! Helpers shared by the golden-replay tests: reading `tests/golden/*.jsonl`, hex, and a
-//! request driven the way the golden generator drove vLLM's.
+//! Helpers shared by the tests (and the timing examples): reading
+//! `tests/golden/*.jsonl`, hex, a request driven the way the golden generator drove
+//! vLLM's, and block tables narrowed to other id widths.
 // Each test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
@@ -103,4 +104,20 @@ impl TestRequest {
             block_hashes: &self.source,
         }
     }
+}
+
+/// `tables` with i32 ids (-1 for an id that does not fit).
+pub fn as_i32(tables: &[Vec<i64>]) -> Vec<Vec<i32>> {
+    tables
+        .iter()
+        .map(|t| t.iter().map(|&b| i32::try_from(b).unwrap_or(-1)).collect())
+        .collect()
+}
+
+/// `tables` with u32 ids (0 for an id that does not fit).
+pub fn as_u32(tables: &[Vec<i64>]) -> Vec<Vec<u32>> {
+    tables
+        .iter()
+        .map(|t| t.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect())
+        .collect()
 }
