@@ -118,3 +118,22 @@ impl std::error::Error for Error {}
 
 /// The result type of every fallible core call.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// `value` as a count: [`Error::Negative`] naming `name` when it is below zero.
+///
+/// # Errors
+/// [`Error::Negative`] for `value < 0`.
+pub fn non_negative(name: &'static str, value: i64) -> Result<usize> {
+    usize::try_from(value).map_err(|_| Error::Negative { name, value })
+}
+
+/// `value` as a size: [`Error::NonPositive`] naming `name` unless it is above zero.
+///
+/// # Errors
+/// [`Error::NonPositive`] for `value <= 0`.
+pub fn positive(name: &'static str, value: i64) -> Result<usize> {
+    usize::try_from(value)
+        .ok()
+        .filter(|&v| v > 0)
+        .ok_or(Error::NonPositive { name, value })
+}

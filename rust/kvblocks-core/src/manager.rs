@@ -25,7 +25,7 @@ use std::ops::Range;
 use rustc_hash::FxHashMap;
 
 use crate::block_hash::BlockHash;
-use crate::error::{Error, Result};
+use crate::error::{non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::free_queue::ix;
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
@@ -187,17 +187,6 @@ pub struct KVCacheManager {
     requests: FxHashMap<String, RequestBlocks>,
 }
 
-fn non_negative(name: &'static str, value: i64) -> Result<usize> {
-    usize::try_from(value).map_err(|_| Error::Negative { name, value })
-}
-
-fn positive(name: &'static str, value: i64) -> Result<usize> {
-    usize::try_from(value)
-        .ok()
-        .filter(|&v| v > 0)
-        .ok_or(Error::NonPositive { name, value })
-}
-
 impl KVCacheManager {
     /// A manager over a fresh pool of `num_blocks` blocks of `block_size` tokens.
     ///
@@ -307,27 +296,22 @@ impl KVCacheManager {
         request: &RequestView<'_, H>,
     ) -> Result<(Vec<u32>, usize)> {
         let num_tokens = non_negative("num_tokens", request.num_tokens)?;
-        let mut hits = Vec::new();
         if !self.pool.enable_caching() {
-            return Ok((hits, 0));
+            return Ok((Vec::new(), 0));
         }
         let max_blocks =
             (num_tokens.saturating_sub(1) / self.block_size).min(request.block_hashes.num_hashes());
         // One hash at a time: the scan stops at the first miss, and a hash past it is
         // neither converted nor validated (as vLLM, which never reads it).
         let mut one = Vec::with_capacity(1);
-        for i in 0..max_blocks {
+        let hashes = (0..max_blocks).map(|i| {
             one.clear();
             request.block_hashes.hashes(i..i + 1, &mut one)?;
-            // Hashes chain, so every block after the first miss misses too.
-            let Some(block) = one
-                .first()
-                .and_then(|h| self.pool.cached_block(h, GROUP_ID))
-            else {
-                break;
-            };
-            hits.push(block);
-        }
+            one.first()
+                .copied()
+                .ok_or_else(|| Error::InvalidArgument(format!("the request has no block hash {i}")))
+        });
+        let hits = self.pool.find_longest_cache_hit(hashes, GROUP_ID)?;
         let hit_tokens = hits.len() * self.block_size;
         Ok((hits, hit_tokens))
     }
@@ -424,7 +408,7 @@ impl KVCacheManager {
             };
             self.pool.cache_ids(blocks, &plan.hashes, GROUP_ID)?;
             entry.num_cached = Some(plan.range.end);
-            Self::record_stored(&mut self.pool, &plan);
+            Self::record_stored(self.pool.events_mut(), &plan);
         }
         Ok(Some(allocated))
     }
@@ -475,7 +459,7 @@ impl KVCacheManager {
         if let Some(entry) = self.requests.get_mut(request.request_id) {
             entry.num_cached = Some(plan.range.end);
         }
-        Self::record_stored(&mut self.pool, &plan);
+        Self::record_stored(self.pool.events_mut(), &plan);
         Ok(())
     }
 
@@ -767,9 +751,9 @@ impl KVCacheManager {
     }
 
     /// Records the `BlockStored` of an applied caching step (events on).
-    fn record_stored(pool: &mut BlockPool, plan: &CachePlan) {
+    fn record_stored(events: &mut EventLog, plan: &CachePlan) {
         if let Some((parent, tokens)) = &plan.event {
-            pool.record_stored(&plan.hashes, *parent, tokens, plan.range.start, GROUP_ID);
+            events.record_stored(&plan.hashes, *parent, tokens, plan.range.start, GROUP_ID);
         }
     }
 }

@@ -21,7 +21,7 @@
 //! 3. the free queue and the prefix map are internally consistent.
 
 use crate::block_hash::BlockHash;
-use crate::error::{Error, Result};
+use crate::error::{non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::free_queue::{ix, try_filled_vec, FreeQueue, MAX_CAPACITY};
 use crate::prefix_map::PrefixMap;
@@ -70,12 +70,7 @@ impl BlockPool {
     /// [`Error::NonPositive`] when `num_blocks <= 0`; [`Error::InvalidArgument`] when it
     /// exceeds [`MAX_NUM_BLOCKS`] or memory for it cannot be allocated.
     pub fn new(num_blocks: i64, enable_caching: bool) -> Result<Self> {
-        if num_blocks <= 0 {
-            return Err(Error::NonPositive {
-                name: "num_blocks",
-                value: num_blocks,
-            });
-        }
+        positive("num_blocks", num_blocks)?;
         let n = u32::try_from(num_blocks)
             .ok()
             .filter(|&n| n <= MAX_NUM_BLOCKS)
@@ -133,10 +128,7 @@ impl BlockPool {
     /// [`Error::Negative`] (`n`) for `n < 0`; [`Error::NoFreeBlocks`] when
     /// fewer than `n` blocks are free.
     pub fn get_new_blocks(&mut self, n: i64) -> Result<Vec<u32>> {
-        let count = usize::try_from(n).map_err(|_| Error::Negative {
-            name: "n",
-            value: n,
-        })?;
+        let count = non_negative("n", n)?;
         let mut out = Vec::new();
         self.get_new_blocks_into(count, &mut out)?;
         Ok(out)
@@ -275,14 +267,8 @@ impl BlockPool {
         num_full_blocks: i64,
     ) -> Result<(usize, usize)> {
         self.check_ids(block_ids)?;
-        let num_cached = usize::try_from(num_cached_blocks).map_err(|_| Error::Negative {
-            name: "num_cached_blocks",
-            value: num_cached_blocks,
-        })?;
-        let num_full = usize::try_from(num_full_blocks).map_err(|_| Error::Negative {
-            name: "num_full_blocks",
-            value: num_full_blocks,
-        })?;
+        let num_cached = non_negative("num_cached_blocks", num_cached_blocks)?;
+        let num_full = non_negative("num_full_blocks", num_full_blocks)?;
         Ok((num_cached, num_full))
     }
 
@@ -461,11 +447,6 @@ impl BlockPool {
         self.ref_cnt[ix(id)]
     }
 
-    /// The block cached under (`hash`, `group`), earliest-inserted first.
-    pub(crate) fn cached_block(&self, hash: &BlockHash, group: u32) -> Option<u32> {
-        self.prefix.first(hash, group)
-    }
-
     /// [`BlockPool::touch`] on ids known to be in range.
     pub(crate) fn touch_ids<I>(&mut self, ids: I, count: usize) -> Result<()>
     where
@@ -571,17 +552,9 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Records a `BlockStored` for blocks the manager just cached.
-    pub(crate) fn record_stored(
-        &mut self,
-        hashes: &[BlockHash],
-        parent: Option<BlockHash>,
-        tokens: &[i64],
-        first_block: usize,
-        group: u32,
-    ) {
-        self.events
-            .record_stored(hashes, parent, tokens, first_block, group);
+    /// The event log, for the manager to record the `BlockStored` of what it caches.
+    pub(crate) fn events_mut(&mut self) -> &mut EventLog {
+        &mut self.events
     }
 
     /// Drops block `id`'s (trusted) prefix-cache entry, if it has one, and records its

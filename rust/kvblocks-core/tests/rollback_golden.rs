@@ -257,11 +257,11 @@ fn handle_invalid_golden_vectors_replay_exactly() {
         let out = result.unwrap_or_else(|e| panic!("handle_invalid.jsonl:{line}: {e}"));
 
         let returned: BTreeSet<String> = match policy {
-            Policy::Fail => ids_of(&waiting, &out.failed_waiting)
-                .union(&ids_of(&running, &out.failed_running))
+            Policy::Fail => ids_of(&waiting, out.failed_waiting())
+                .union(&ids_of(&running, out.failed_running()))
                 .cloned()
                 .collect(),
-            Policy::Recompute => ids_of(&running, &out.rescheduled_running),
+            Policy::Recompute => ids_of(&running, out.rescheduled_running()),
         };
         let mut counts: BTreeMap<String, i64> = owned
             .iter()
@@ -274,27 +274,27 @@ fn handle_invalid_golden_vectors_replay_exactly() {
         }
         let expected_evicted: BTreeSet<i64> =
             ints(&expect["evicted_block_ids"]).into_iter().collect();
-        let evict_calls = i64::from(!out.evicted_block_ids.is_empty());
+        let evict_calls = i64::from(!out.evicted_block_ids().is_empty());
         let ok = returned == strs(&expect["returned_req_ids"])
             && out
-                .evicted_block_ids
+                .evicted_block_ids()
                 .iter()
                 .copied()
                 .collect::<BTreeSet<_>>()
                 == expected_evicted
-            && out.evicted_block_ids.windows(2).all(|w| w[0] < w[1])
+            && out.evicted_block_ids().windows(2).all(|w| w[0] < w[1])
             && evict_calls == int(&expect["evict_calls"])
-            && ids_of(&waiting, &out.retry_waiting) == strs(&expect["failed_recving_req_ids"])
+            && ids_of(&waiting, out.retry_waiting()) == strs(&expect["failed_recving_req_ids"])
             && out.waiting.blocks_to_evict.is_empty()
             && counts == expected_counts(expect)
-            && out.total_affected_tokens
+            && out.total_affected_tokens()
                 == out.waiting.total_affected_tokens + out.running.total_affected_tokens;
         let policy_lists_ok = match policy {
-            Policy::Fail => out.rescheduled_running.is_empty() && out.retry_waiting.is_empty(),
+            Policy::Fail => out.rescheduled_running().is_empty() && out.retry_waiting().is_empty(),
             Policy::Recompute => {
-                out.failed_waiting.is_empty()
-                    && out.failed_running.is_empty()
-                    && out.evicted_block_ids.is_empty()
+                out.failed_waiting().is_empty()
+                    && out.failed_running().is_empty()
+                    && out.evicted_block_ids().is_empty()
             }
         };
         if !(ok && policy_lists_ok) {

@@ -261,24 +261,24 @@ proptest! {
         ).unwrap_or_else(|e| panic!("valid case refused: {e}"));
         let waiting = Case { collect: false, ..w.clone() }.run(&w.tables, mode);
         let running = Case { collect: true, ..r.clone() }.run(&r.tables, mode);
-        prop_assert_eq!(out.total_affected_tokens, waiting.total_affected_tokens + running.total_affected_tokens);
+        prop_assert_eq!(out.total_affected_tokens(), waiting.total_affected_tokens + running.total_affected_tokens);
         prop_assert_eq!(&out.waiting, &waiting);
         prop_assert_eq!(&out.running, &running);
         if recompute {
-            prop_assert_eq!(&out.rescheduled_running, &running.affected);
-            prop_assert_eq!(&out.retry_waiting, &waiting.affected);
-            prop_assert!(out.failed_running.is_empty() && out.failed_waiting.is_empty());
+            prop_assert_eq!(out.rescheduled_running(), &running.affected);
+            prop_assert_eq!(out.retry_waiting(), &waiting.affected);
+            prop_assert!(out.failed_running().is_empty() && out.failed_waiting().is_empty());
             // Strict mode evicts the rescheduled requests' tails; vLLM mode keeps them.
             if strict {
-                prop_assert_eq!(&out.evicted_block_ids, &running.blocks_to_evict);
+                prop_assert_eq!(out.evicted_block_ids(), &running.blocks_to_evict);
             } else {
-                prop_assert!(out.evicted_block_ids.is_empty());
+                prop_assert!(out.evicted_block_ids().is_empty());
             }
         } else {
-            prop_assert_eq!(&out.failed_running, &running.affected);
-            prop_assert_eq!(&out.failed_waiting, &waiting.affected);
-            prop_assert!(out.rescheduled_running.is_empty() && out.retry_waiting.is_empty());
-            prop_assert_eq!(&out.evicted_block_ids, &running.blocks_to_evict);
+            prop_assert_eq!(out.failed_running(), &running.affected);
+            prop_assert_eq!(out.failed_waiting(), &waiting.affected);
+            prop_assert!(out.rescheduled_running().is_empty() && out.retry_waiting().is_empty());
+            prop_assert_eq!(out.evicted_block_ids(), &running.blocks_to_evict);
         }
     }
 }

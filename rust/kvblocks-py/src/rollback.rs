@@ -356,6 +356,14 @@ impl<'py> RequestColumns<'py> {
         Ok(())
     }
 
+    /// The ids of the requests at `indices`.
+    fn ids_of<'a>(&'a self, indices: &'a [usize]) -> impl Iterator<Item = String> + 'a {
+        indices
+            .iter()
+            .filter_map(|&i| self.ids.get(i))
+            .map(ToString::to_string)
+    }
+
     /// Writes the decided counts of the affected requests; returns their ids.
     fn apply(&self, result: &Rollback) -> PyResult<HashSet<String>> {
         let mut affected = HashSet::with_capacity(result.affected.len());
@@ -581,42 +589,28 @@ pub fn handle_invalid_blocks<'py>(
     drop(native);
 
     // Evict first: if the manager refuses, no request has been changed yet.
-    if !outcome.evicted_block_ids.is_empty() {
+    let evicted = outcome.evicted_block_ids();
+    if !evicted.is_empty() {
         match kv_cache_manager.cast::<PyKVCacheManager>() {
             Ok(native) => {
-                native
-                    .try_borrow_mut()?
-                    .inner
-                    .evict_blocks(&outcome.evicted_block_ids)
-                    .py()?;
+                native.try_borrow_mut()?.inner.evict_blocks(evicted).py()?;
             }
             Err(_) => {
-                kv_cache_manager.call_method1(
-                    "evict_blocks",
-                    (PySet::new(py, &outcome.evicted_block_ids)?,),
-                )?;
+                kv_cache_manager.call_method1("evict_blocks", (PySet::new(py, evicted)?,))?;
             }
         }
     }
-    let waiting_affected = waiting.apply(&outcome.waiting)?;
-    let sync_affected = sync.apply(&outcome.running)?;
-    let evicted_block_ids = outcome.evicted_block_ids.iter().copied().collect();
-    let total_affected_tokens = outcome.total_affected_tokens;
-    Ok(match policy {
-        Policy::Recompute => PyInvalidBlocksOutcome {
-            failed_req_ids: HashSet::new(),
-            rescheduled_req_ids: sync_affected,
-            retry_req_ids: waiting_affected,
-            evicted_block_ids,
-            total_affected_tokens,
-        },
-        Policy::Fail => PyInvalidBlocksOutcome {
-            failed_req_ids: waiting_affected.into_iter().chain(sync_affected).collect(),
-            rescheduled_req_ids: HashSet::new(),
-            retry_req_ids: HashSet::new(),
-            evicted_block_ids,
-            total_affected_tokens,
-        },
+    waiting.apply(&outcome.waiting)?;
+    sync.apply(&outcome.running)?;
+    Ok(PyInvalidBlocksOutcome {
+        failed_req_ids: waiting
+            .ids_of(outcome.failed_waiting())
+            .chain(sync.ids_of(outcome.failed_running()))
+            .collect(),
+        rescheduled_req_ids: sync.ids_of(outcome.rescheduled_running()).collect(),
+        retry_req_ids: waiting.ids_of(outcome.retry_waiting()).collect(),
+        evicted_block_ids: evicted.iter().copied().collect(),
+        total_affected_tokens: outcome.total_affected_tokens(),
     })
 }
 

@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::block_hash::{BlockHash, MAX_HASH_LEN};
-use crate::error::{Error, Result};
+use crate::error::{positive, Error, Result};
 
 pub use pickle::{Memo, ParentObject};
 pub use value::{too_deep_error, BigInt, ObjectId, Tuple, Value, MAX_DEPTH};
@@ -163,14 +163,7 @@ impl BlockHasher {
     /// # Errors
     /// [`Error::NonPositive`] when `block_size <= 0`.
     pub fn new(block_size: i64, algo: HashAlgo, seed: &str) -> Result<Self> {
-        let block_size =
-            usize::try_from(block_size)
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or(Error::NonPositive {
-                    name: "block_size",
-                    value: block_size,
-                })?;
+        let block_size = positive("block_size", block_size)?;
         let mut buf = Vec::new();
         if algo.uses_pickle() {
             pickle::dumps_str(&mut buf, seed);

@@ -13,6 +13,8 @@
 
 use rustc_hash::FxHashSet;
 
+use super::to_i64;
+
 /// Ids below this are stored in the bitset (2^26 bits = 8 MiB); the rest are hashed.
 const DENSE_LIMIT: u64 = 1 << 26;
 
@@ -211,11 +213,6 @@ impl Filter {
 #[inline]
 fn word_index(id: u64) -> usize {
     usize::try_from(id / WORD_BITS).unwrap_or(usize::MAX)
-}
-
-/// Ids enter the sets from non-negative `i64`s, so they always fit back.
-fn to_i64(id: u64) -> i64 {
-    i64::try_from(id).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ mod id_set;
 
 use id_set::{Filter, IdSet};
 
-use crate::error::{Error, Result};
+use crate::error::{positive, Error, Result};
 
 /// vLLM's message when block-level failures meet a model with several KV cache groups.
 pub const MULTIPLE_GROUPS_MESSAGE: &str = "A KV connector reported block-level load failures \
@@ -293,27 +293,65 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
 }
 
 /// What [`handle_invalid_blocks`] decided; indices refer to the batch they name.
+///
+/// The policy's verdicts are views of the two passes (no list is copied): under
+/// `fail` every affected request fails; under `recompute` the running ones are
+/// rescheduled and the waiting ones retried.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct InvalidBlocksOutcome {
     /// The async pass over the requests waiting for remote KVs (no evictions collected).
     pub waiting: Rollback,
     /// The sync pass over the running requests.
     pub running: Rollback,
+    pub policy: Policy,
+    pub mode: Mode,
+}
+
+impl InvalidBlocksOutcome {
+    fn if_policy<'a, T>(&self, policy: Policy, items: &'a [T]) -> &'a [T] {
+        if self.policy == policy {
+            items
+        } else {
+            &[]
+        }
+    }
+
     /// Waiting requests to fail (`fail`: every affected one).
-    pub failed_waiting: Vec<usize>,
+    pub fn failed_waiting(&self) -> &[usize] {
+        self.if_policy(Policy::Fail, &self.waiting.affected)
+    }
+
     /// Running requests to fail (`fail`: every affected one).
-    pub failed_running: Vec<usize>,
+    pub fn failed_running(&self) -> &[usize] {
+        self.if_policy(Policy::Fail, &self.running.affected)
+    }
+
     /// Running requests to reschedule from their new count (`recompute`).
-    pub rescheduled_running: Vec<usize>,
+    pub fn rescheduled_running(&self) -> &[usize] {
+        self.if_policy(Policy::Recompute, &self.running.affected)
+    }
+
     /// Waiting requests whose load must be retried once it finishes (`recompute`;
     /// vLLM's `failed_recving_kv_req_ids`).
-    pub retry_waiting: Vec<usize>,
+    pub fn retry_waiting(&self) -> &[usize] {
+        self.if_policy(Policy::Recompute, &self.waiting.affected)
+    }
+
     /// Blocks the caller must evict: the sync pass's under `fail`; under `recompute`,
     /// none in vLLM mode (the blocks keep their hashes and are rewritten in place) and
     /// the sync pass's in strict mode (no stale block stays reachable meanwhile).
-    pub evicted_block_ids: Vec<i64>,
+    pub fn evicted_block_ids(&self) -> &[i64] {
+        if self.policy == Policy::Fail || self.mode == Mode::Strict {
+            &self.running.blocks_to_evict
+        } else {
+            &[]
+        }
+    }
+
     /// Tokens rolled back over both passes.
-    pub total_affected_tokens: u128,
+    pub fn total_affected_tokens(&self) -> u128 {
+        self.waiting.total_affected_tokens + self.running.total_affected_tokens
+    }
 }
 
 /// Fails closed when block-level failures cannot be mapped to requests: block ids are
@@ -372,30 +410,11 @@ pub fn handle_invalid_blocks<W: BlockTable, R: BlockTable>(
     check_single_group(num_kv_cache_groups)?;
     let waiting = rollback_invalid_blocks(waiting, invalid_block_ids, block_size, false, mode)?;
     let running = rollback_invalid_blocks(running, invalid_block_ids, block_size, true, mode)?;
-    let total_affected_tokens = waiting.total_affected_tokens + running.total_affected_tokens;
-    let outcome = match policy {
-        Policy::Fail => InvalidBlocksOutcome {
-            failed_waiting: waiting.affected.clone(),
-            failed_running: running.affected.clone(),
-            evicted_block_ids: running.blocks_to_evict.clone(),
-            ..InvalidBlocksOutcome::default()
-        },
-        Policy::Recompute => InvalidBlocksOutcome {
-            rescheduled_running: running.affected.clone(),
-            retry_waiting: waiting.affected.clone(),
-            evicted_block_ids: if mode == Mode::Strict {
-                running.blocks_to_evict.clone()
-            } else {
-                Vec::new()
-            },
-            ..InvalidBlocksOutcome::default()
-        },
-    };
     Ok(InvalidBlocksOutcome {
         waiting,
         running,
-        total_affected_tokens,
-        ..outcome
+        policy,
+        mode,
     })
 }
 
@@ -406,12 +425,8 @@ fn validate<B: BlockTable>(
     invalid_block_ids: &[i64],
     block_size: i64,
 ) -> Result<u64> {
-    let Ok(block_size_u64 @ 1..) = u64::try_from(block_size) else {
-        return Err(Error::NonPositive {
-            name: "block_size",
-            value: block_size,
-        });
-    };
+    positive("block_size", block_size)?;
+    let block_size_u64 = block_size.unsigned_abs();
     let (n_tables, n_computed, n_scheduled) = (
         batch.block_tables.len(),
         batch.num_computed_tokens.len(),
@@ -466,8 +481,9 @@ fn scanned_blocks(before: i64, block_size: u64) -> usize {
     usize::try_from(before.unsigned_abs().div_ceil(block_size)).unwrap_or(usize::MAX)
 }
 
-/// Counts below `i64::MAX` computed in `u64` always fit back.
-fn to_i64(value: u64) -> i64 {
+/// A `u64` that came from a non-negative `i64` (a count below `i64::MAX`, an id that
+/// entered an id set) back as `i64`; it always fits.
+pub(crate) fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
