@@ -246,3 +246,29 @@ def test_a_hasher_returning_a_bad_hash_is_refused(
 ) -> None:
     with pytest.raises(error, match=message):
         backend.Request("r", [1, 2, 3, 4], block_hasher=lambda _request: result)
+
+
+def test_list_attributes_are_one_object_kept_current(backend: ModuleType) -> None:
+    """The token and hash lists are the same object on every read (a scheduler reads
+    them every step) and follow appends, a failed append included, in both backends."""
+    hasher = backend.BlockHasher(4, "sha256", "seed")
+    request = backend.Request("r", [1, 2, 3, 4, 5], block_hasher=hasher)
+    views = [
+        request.prompt_token_ids,
+        request.all_token_ids,
+        request.output_token_ids,
+        request.block_hashes,
+    ]
+    again = [
+        request.prompt_token_ids,
+        request.all_token_ids,
+        request.output_token_ids,
+        request.block_hashes,
+    ]
+    assert all(a is b for a, b in zip(again, views, strict=True))
+    request.append_output_token_ids([6, 7, 8])
+    with pytest.raises(TypeError):
+        request.append_output_token_ids([9, "x"])
+    assert views == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8], [6, 7, 8], request.block_hashes]
+    assert len(views[3]) == 2
+    assert views[3] == hasher.hash_blocks([1, 2, 3, 4, 5, 6, 7, 8])

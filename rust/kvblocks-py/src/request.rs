@@ -41,9 +41,61 @@ pub struct PyRequest {
     cache_salt: Option<Py<PyAny>>,
     mm_features: Option<Py<PyAny>>,
     prompt_embeds: Option<Py<PyAny>>,
+    /// The lists the getters hand out, built on first access and kept in step with the
+    /// vectors above: the reference hands out its own lists, so a scheduler reading
+    /// `all_token_ids` or `block_hashes` every step pays nothing and gets one object.
+    views: ListViews,
+}
+
+/// Python mirrors of a request's token and hash vectors (see [`PyRequest::views`]).
+#[derive(Default)]
+struct ListViews {
+    prompt_token_ids: Option<Py<PyList>>,
+    all_token_ids: Option<Py<PyList>>,
+    output_token_ids: Option<Py<PyList>>,
+    block_hashes: Option<Py<PyList>>,
+}
+
+/// `cached`, or a new list of `items` stored there first.
+fn view<'py, T>(
+    py: Python<'py>,
+    cached: &mut Option<Py<PyList>>,
+    items: impl IntoIterator<Item = T, IntoIter: ExactSizeIterator>,
+) -> PyResult<Bound<'py, PyList>>
+where
+    T: IntoPyObject<'py>,
+{
+    if let Some(list) = cached {
+        return Ok(list.bind(py).clone());
+    }
+    let list = PyList::new(py, items)?;
+    *cached = Some(list.clone().unbind());
+    Ok(list)
+}
+
+/// Appends to `cached` (if it exists) the token ids of `source` past its length.
+fn catch_up(py: Python<'_>, cached: Option<&Py<PyList>>, source: &[i64]) -> PyResult<()> {
+    let Some(list) = cached.map(|l| l.bind(py)) else {
+        return Ok(());
+    };
+    for &token in source.get(list.len()..).unwrap_or_default() {
+        list.append(token)?;
+    }
+    Ok(())
 }
 
 impl PyRequest {
+    /// Brings the handed-out `block_hashes` list up to date.
+    fn catch_up_hashes(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(list) = self.views.block_hashes.as_ref().map(|l| l.bind(py)) else {
+            return Ok(());
+        };
+        for hash in self.block_hashes.get(list.len()..).unwrap_or_default() {
+            list.append(PyBytes::new(py, hash.as_bytes()))?;
+        }
+        Ok(())
+    }
+
     /// The request id.
     pub fn request_id(&self) -> &str {
         &self.request_id
@@ -171,6 +223,7 @@ impl PyRequest {
                 cache_salt: non_none(cache_salt),
                 mm_features,
                 prompt_embeds: non_none(prompt_embeds),
+                views: ListViews::default(),
             },
         )?;
         Self::update_block_hashes(&request)?;
@@ -185,41 +238,38 @@ impl PyRequest {
 
     /// The prompt's token ids (do not modify).
     #[getter]
-    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.all_token_ids
-                .get(..self.num_prompt_tokens)
-                .unwrap_or_default(),
-        )
+    fn prompt_token_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let prompt = self
+            .all_token_ids
+            .get(..self.num_prompt_tokens)
+            .unwrap_or_default();
+        view(py, &mut self.views.prompt_token_ids, prompt)
     }
 
     /// Prompt then output token ids (do not modify).
     #[getter]
-    fn all_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, &self.all_token_ids)
+    fn all_token_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        view(py, &mut self.views.all_token_ids, &self.all_token_ids)
     }
 
     /// Token ids appended since construction (do not modify).
     #[getter]
-    fn output_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.all_token_ids
-                .get(self.num_prompt_tokens..)
-                .unwrap_or_default(),
-        )
+    fn output_token_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let output = self
+            .all_token_ids
+            .get(self.num_prompt_tokens..)
+            .unwrap_or_default();
+        view(py, &mut self.views.output_token_ids, output)
     }
 
     /// One hash per full block hashed so far, block 0 first (do not modify).
     #[getter(block_hashes)]
-    fn block_hashes_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.block_hashes
-                .iter()
-                .map(|h| PyBytes::new(py, h.as_bytes())),
-        )
+    fn block_hashes_list<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let hashes = self
+            .block_hashes
+            .iter()
+            .map(|h| PyBytes::new(py, h.as_bytes()));
+        view(py, &mut self.views.block_hashes, hashes)
     }
 
     /// The LoRA adapter: adds ``("lora", name, path)`` to every block's extra keys.
@@ -337,7 +387,19 @@ impl PyRequest {
             let keep = request.all_token_ids.len().saturating_sub(new_ids.len());
             request.all_token_ids.truncate(keep);
             Err(err)
-        })
+        })?;
+        let py = slf.py();
+        let request = slf.try_borrow()?;
+        let output = request
+            .all_token_ids
+            .get(request.num_prompt_tokens..)
+            .unwrap_or_default();
+        catch_up(
+            py,
+            request.views.all_token_ids.as_ref(),
+            &request.all_token_ids,
+        )?;
+        catch_up(py, request.views.output_token_ids.as_ref(), output)
     }
 
     /// Appends the hashes of full blocks not hashed yet (vLLM's method of that name).
@@ -373,7 +435,7 @@ impl PyRequest {
                 } = &mut *request;
                 native.run(&plan, all_token_ids, block_hashes)?;
             }
-            return Ok(());
+            return slf.try_borrow()?.catch_up_hashes(py);
         }
         // Any other callable gets the request itself, with no borrow held, and may
         // read anything on it.
@@ -383,7 +445,7 @@ impl PyRequest {
             .map(|h| block_hash(&h?))
             .collect::<PyResult<Vec<BlockHash>>>()?;
         slf.try_borrow_mut()?.block_hashes.extend(new_hashes);
-        Ok(())
+        slf.try_borrow()?.catch_up_hashes(py)
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -409,6 +471,18 @@ impl PyRequest {
         {
             visit.call(obj)?;
         }
+        let views = &self.views;
+        for list in [
+            &views.prompt_token_ids,
+            &views.all_token_ids,
+            &views.output_token_ids,
+            &views.block_hashes,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            visit.call(list)?;
+        }
         Ok(())
     }
 
@@ -418,5 +492,6 @@ impl PyRequest {
         self.cache_salt = None;
         self.mm_features = None;
         self.prompt_embeds = None;
+        self.views = ListViews::default();
     }
 }
