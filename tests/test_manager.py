@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -668,3 +668,14 @@ def test_block_pool_is_one_object_and_collectable(backend: ModuleType) -> None:
     del manager, pool
     gc.collect()
     assert len(managers()) == before
+
+
+def test_hashes_to_cache_are_type_checked_before_length_checked(backend: ModuleType) -> None:
+    """As the pool's ``cache_full_blocks``: a wrong type anywhere wins over a long hash."""
+    manager = backend.KVCacheManager(8, 4)
+    request = SimpleNamespace(
+        request_id="q", num_tokens=8, num_computed_tokens=0, block_hashes=[b"x" * 40, "y"]
+    )
+    with pytest.raises(TypeError, match=r"^block hash must be bytes, got str$"):
+        manager.allocate_slots(request, 8)
+    assert manager.block_pool.get_num_free_blocks() == 7

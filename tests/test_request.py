@@ -272,3 +272,10 @@ def test_list_attributes_are_one_object_kept_current(backend: ModuleType) -> Non
     assert views == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8], [6, 7, 8], request.block_hashes]
     assert len(views[3]) == 2
     assert views[3] == hasher.hash_blocks([1, 2, 3, 4, 5, 6, 7, 8])
+
+
+def test_hashes_from_a_hasher_are_type_checked_before_length_checked(
+    backend: ModuleType,
+) -> None:
+    with pytest.raises(TypeError, match=r"^block hash must be bytes, got str$"):
+        backend.Request("a", list(range(8)), block_hasher=lambda request: [b"x" * 40, "y"])

@@ -59,18 +59,18 @@ impl HashSource for PyHashes<'_> {
     }
 
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
-        for i in range {
-            match self.seq.get(i) {
-                Ok(h) => out.push(h),
-                Err(err) => {
-                    *self.error.borrow_mut() = Some(err);
-                    return Err(Error::InvalidArgument(
-                        "block hash conversion failed".to_owned(),
-                    ));
-                }
+        match self.seq.range(range) {
+            Ok(hashes) => {
+                out.extend(hashes);
+                Ok(())
+            }
+            Err(err) => {
+                *self.error.borrow_mut() = Some(err);
+                Err(Error::InvalidArgument(
+                    "block hash conversion failed".to_owned(),
+                ))
             }
         }
-        Ok(())
     }
 }
 

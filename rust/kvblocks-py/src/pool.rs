@@ -8,7 +8,7 @@
 
 use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
 use kvblocks_core::BlockHash;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
 use pyo3::{ffi, Borrowed, PyTraverseError, PyVisit};
@@ -17,12 +17,32 @@ use crate::convert::{int_column, type_name, Flag, IntColumn};
 use crate::errors::IntoPyResult;
 use crate::manager::PyKVCacheManager;
 
+/// A Python block hash as `bytes` (the type check alone).
+fn hash_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    obj.cast::<PyBytes>().cloned().map_err(|_| {
+        PyTypeError::new_err(format!("block hash must be bytes, got {}", type_name(obj)))
+    })
+}
+
 /// Converts one Python block hash (`bytes`) into a core `BlockHash`.
 pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
-    let bytes = obj.cast::<PyBytes>().map_err(|_| {
-        PyTypeError::new_err(format!("block hash must be bytes, got {}", type_name(obj)))
-    })?;
-    BlockHash::new(bytes.as_bytes()).py()
+    BlockHash::new(hash_bytes(obj)?.as_bytes()).py()
+}
+
+/// Block hashes converted as a batch, as the reference's ``to_block_hashes``: every
+/// item's type is checked before any hash's length, so a `TypeError` anywhere wins
+/// over a too-long hash before it.
+pub fn block_hashes<'py>(
+    items: impl IntoIterator<Item = PyResult<Bound<'py, PyAny>>>,
+) -> PyResult<Vec<BlockHash>> {
+    let bytes = items
+        .into_iter()
+        .map(|item| hash_bytes(&item?))
+        .collect::<PyResult<Vec<_>>>()?;
+    bytes
+        .iter()
+        .map(|b| BlockHash::new(b.as_bytes()).py())
+        .collect()
 }
 
 /// `block_hashes` as a sequence: sequences are indexed in place, any other iterable is
@@ -78,19 +98,41 @@ impl<'py> HashSeq<'py> {
         self.seq.len()
     }
 
-    /// Item `i` as a block hash.
-    pub fn get(&self, i: usize) -> PyResult<BlockHash> {
+    /// Items `range` as block hashes, converted as a batch ([`block_hashes`]): every
+    /// type is checked before any length.
+    pub fn range(&self, range: std::ops::Range<usize>) -> PyResult<Vec<BlockHash>> {
+        if matches!(self.kind, SeqKind::Other) {
+            return block_hashes(range.map(|i| self.seq.get_item(i)));
+        }
+        for i in range.clone() {
+            let item = self.borrowed(i)?;
+            if !item.is_instance_of::<PyBytes>() {
+                hash_bytes(&item)?;
+            }
+        }
+        range.map(|i| self.get(i)).collect()
+    }
+
+    /// Item `i` of an exact list or tuple, borrowed (reading it runs no Python code).
+    fn borrowed(&self, i: usize) -> PyResult<Borrowed<'_, 'py, PyAny>> {
         let index = isize::try_from(i).unwrap_or(isize::MAX);
         let container = self.seq.as_ptr();
         let item = match self.kind {
             // SAFETY: GIL held; each returns a borrowed item, or null with IndexError set.
             SeqKind::List => unsafe { ffi::PyList_GetItem(container, index) },
-            SeqKind::Tuple => unsafe { ffi::PyTuple_GetItem(container, index) },
-            SeqKind::Other => return block_hash(&self.seq.get_item(i)?),
+            _ => unsafe { ffi::PyTuple_GetItem(container, index) },
         };
-        let py = self.seq.py();
-        // SAFETY: `item` is null (error set) or a borrowed reference to a live object.
-        let item = unsafe { Borrowed::from_ptr_or_err(py, item) }?;
+        // SAFETY: `item` is null (error set) or a borrowed reference to a live object
+        // that the container keeps alive.
+        unsafe { Borrowed::from_ptr_or_err(self.seq.py(), item) }
+    }
+
+    /// Item `i` as a block hash.
+    pub fn get(&self, i: usize) -> PyResult<BlockHash> {
+        if matches!(self.kind, SeqKind::Other) {
+            return block_hash(&self.seq.get_item(i)?);
+        }
+        let item = self.borrowed(i)?;
         if !item.is_exact_instance_of::<PyBytes>() {
             return block_hash(&item);
         }
@@ -105,28 +147,6 @@ impl<'py> HashSeq<'py> {
         };
         BlockHash::new(bytes).py()
     }
-}
-
-/// The hashes `cache_full_blocks` reads: only those of blocks `num_cached ..
-/// num_full` are converted (callers pass a request's whole hash list, as vLLM does).
-///
-/// As in the reference, every hash's type is checked before any hash's length: a
-/// `TypeError` anywhere in the range wins over a too-long hash before it.
-fn range_hashes(seq: &HashSeq<'_>, num_cached: usize, num_full: usize) -> PyResult<Vec<BlockHash>> {
-    let py = seq.seq.py();
-    let mut hashes = Vec::with_capacity(num_full.saturating_sub(num_cached));
-    let mut too_long = None;
-    for i in num_cached..num_full {
-        match seq.get(i) {
-            Ok(hash) => hashes.push(hash),
-            // `BlockHash::new`'s only error, a hash past 32 bytes.
-            Err(err) if err.is_instance_of::<PyValueError>(py) => {
-                too_long.get_or_insert(err);
-            }
-            Err(err) => return Err(err),
-        }
-    }
-    too_long.map_or(Ok(hashes), Err)
 }
 
 /// Converts a group id, with the reference's messages for values outside `u32`.
@@ -443,7 +463,9 @@ impl PyBlockPool {
         if num_cached >= num_full {
             return Ok(());
         }
-        let new_hashes = range_hashes(&seq, num_cached, num_full)?;
+        // Only the hashes of the blocks to cache are read (callers pass a request's
+        // whole hash list, as vLLM does).
+        let new_hashes = seq.range(num_cached..num_full)?;
         self.with_mut(py, |p| p.cache_range(&ids, num_cached, &new_hashes, group))?
             .py()
     }

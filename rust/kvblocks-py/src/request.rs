@@ -19,7 +19,7 @@ use crate::errors::to_py;
 use crate::hashing::{
     into_vec, token_id, token_ids, Given, NativeRequest, PyBlockHasher, RequestAttrs,
 };
-use crate::pool::block_hash;
+use crate::pool::block_hashes;
 
 /// A request's token ids and the hashes of its full blocks.
 ///
@@ -440,10 +440,7 @@ impl PyRequest {
         // Any other callable gets the request itself, with no borrow held, and may
         // read anything on it.
         let result = hasher.bind(py).call1((slf,))?;
-        let new_hashes = result
-            .try_iter()?
-            .map(|h| block_hash(&h?))
-            .collect::<PyResult<Vec<BlockHash>>>()?;
+        let new_hashes = block_hashes(result.try_iter()?)?;
         slf.try_borrow_mut()?.block_hashes.extend(new_hashes);
         slf.try_borrow()?.catch_up_hashes(py)
     }
