@@ -63,6 +63,16 @@ impl Deref for IntColumn {
     }
 }
 
+impl IntColumn {
+    /// The values as an owned `Vec`, copying only a borrowed buffer.
+    pub fn into_vec(self) -> Vec<i64> {
+        match self {
+            Self::Owned(v) => v,
+            Self::Borrowed(b) => b.as_i64().to_vec(),
+        }
+    }
+}
+
 /// Converts `obj` (an iterable of ints or an integer buffer) into a column of `i64`.
 ///
 /// # Errors

@@ -74,14 +74,6 @@ pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
     int_column_with(obj, token_id)
 }
 
-/// A column of token ids as an owned `Vec`.
-pub fn into_vec(column: IntColumn) -> Vec<i64> {
-    match column {
-        IntColumn::Owned(v) => v,
-        IntColumn::Borrowed(_) => column.to_vec(),
-    }
-}
-
 // ----------------------------------------------------------------------------- extra keys
 
 /// Object identities inside one hashing call: the tag of every `str`, `bytes` and tuple

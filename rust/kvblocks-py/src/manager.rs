@@ -430,7 +430,7 @@ impl PyKVCacheManager {
         // Copied, not borrowed: reading the request below runs Python code, which must
         // not see (or change) an array the call still reads.
         let hits: Vec<i64> = match new_computed_blocks {
-            Some(blocks) => int_column(blocks)?.to_vec(),
+            Some(blocks) => int_column(blocks)?.into_vec(),
             None => Vec::new(),
         };
         let slots = SlotRequest {

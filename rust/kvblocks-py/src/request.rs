@@ -16,9 +16,7 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::type_name;
 use crate::errors::to_py;
-use crate::hashing::{
-    into_vec, token_id, token_ids, Given, NativeRequest, PyBlockHasher, RequestAttrs,
-};
+use crate::hashing::{token_id, token_ids, Given, NativeRequest, PyBlockHasher, RequestAttrs};
 use crate::pool::block_hashes;
 
 /// A request's token ids and the hashes of its full blocks.
@@ -204,7 +202,7 @@ impl PyRequest {
                 )));
             }
         }
-        let prompt = into_vec(token_ids(prompt_token_ids)?);
+        let prompt = token_ids(prompt_token_ids)?.into_vec();
         let mm_features = match mm_features {
             Given::Absent => Some(PyTuple::empty(py).into_any().unbind()),
             Given::Is(obj) => non_none(Some(&obj)),
@@ -376,7 +374,7 @@ impl PyRequest {
         let new_ids = if is_single_id(token_ids)? {
             vec![token_id(token_ids)?]
         } else {
-            into_vec(self::token_ids(token_ids)?)
+            self::token_ids(token_ids)?.into_vec()
         };
         slf.try_borrow_mut()?
             .all_token_ids
