@@ -38,3 +38,22 @@ impl<T> IntoPyResult<T> for kvblocks_core::Result<T> {
         self.map_err(|e| to_py(&e))
     }
 }
+
+/// A Python error met inside a core callback (a request's hash or token source), kept
+/// to be raised as it was once the core call has returned, having changed nothing. The
+/// core meanwhile gets a placeholder error that ends its call.
+#[derive(Default)]
+pub struct StashedError(std::cell::RefCell<Option<PyErr>>);
+
+impl StashedError {
+    /// Keeps `err`; returns the placeholder for the core, naming `what` failed.
+    pub fn keep(&self, err: PyErr, what: &str) -> Error {
+        *self.0.borrow_mut() = Some(err);
+        Error::InvalidArgument(format!("{what} failed"))
+    }
+
+    /// The error kept, if any (taking it).
+    pub fn take(&self) -> Option<PyErr> {
+        self.0.borrow_mut().take()
+    }
+}

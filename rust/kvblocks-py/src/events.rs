@@ -15,11 +15,12 @@ use std::ops::Range;
 
 use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
 use kvblocks_core::manager::{HashSource, KVCacheManager, RequestView, TokenSource};
-use kvblocks_core::{BlockHash, Error};
+use kvblocks_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PySlice};
 
+use crate::errors::StashedError;
 use crate::request::PyRequest;
 
 /// `kv_cache_spec_kind` of the manager's one group.
@@ -151,7 +152,7 @@ pub struct RequestTokens<'py> {
     /// The request, or `None` when events are off.
     request: Option<Bound<'py, PyAny>>,
     /// A Python error met while reading, re-raised in place of the core's error.
-    error: RefCell<Option<PyErr>>,
+    error: StashedError,
     /// The request fields of the planned `BlockStored`, if the request has any.
     fields: RefCell<Option<Py<PyAny>>>,
 }
@@ -161,7 +162,7 @@ impl<'py> RequestTokens<'py> {
     pub fn new(state: Option<&EventState>, request: &Bound<'py, PyAny>) -> Self {
         Self {
             request: state.map(|_| request.clone()),
-            error: RefCell::new(None),
+            error: StashedError::default(),
             fields: RefCell::new(None),
         }
     }
@@ -198,7 +199,7 @@ impl<'py> RequestTokens<'py> {
         before: usize,
     ) -> PyResult<T> {
         if result.is_err() {
-            if let Some(err) = self.error.borrow_mut().take() {
+            if let Some(err) = self.error.take() {
                 return Err(err);
             }
             return result;
@@ -282,10 +283,8 @@ impl TokenSource for RequestTokens<'_> {
         let Some(request) = &self.request else {
             return Ok(());
         };
-        self.read(request, range, block_size, out).map_err(|err| {
-            *self.error.borrow_mut() = Some(err);
-            Error::InvalidArgument("reading the request's token ids failed".to_owned())
-        })
+        self.read(request, range, block_size, out)
+            .map_err(|err| self.error.keep(err, "reading the request's token ids"))
     }
 }
 

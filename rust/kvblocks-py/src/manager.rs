@@ -6,20 +6,19 @@
 // markdown, so the markdown lint does not apply to them.
 #![allow(clippy::doc_markdown)]
 
-use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
 use kvblocks_core::manager::{
     HashSource, KVCacheManager as CoreManager, PrefixCacheStats, RequestView, SlotRequest,
 };
-use kvblocks_core::{BlockHash, Error};
+use kvblocks_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::{int_column, Flag};
-use crate::errors::IntoPyResult;
+use crate::errors::{IntoPyResult, StashedError};
 use crate::events::{take_events, EventState, RequestTokens};
 use crate::pool::{HashSeq, PyBlockPool};
 use crate::request::PyRequest;
@@ -30,7 +29,7 @@ use crate::request::PyRequest;
 struct PyHashes<'py> {
     seq: HashSeq<'py>,
     len: usize,
-    error: RefCell<Option<PyErr>>,
+    error: StashedError,
 }
 
 impl<'py> PyHashes<'py> {
@@ -40,16 +39,16 @@ impl<'py> PyHashes<'py> {
         Ok(Self {
             seq,
             len,
-            error: RefCell::new(None),
+            error: StashedError::default(),
         })
     }
 
     /// The core result, or the Python error the conversion hit.
     fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
-        if let Some(err) = self.error.borrow_mut().take() {
-            return Err(err);
+        match self.error.take() {
+            Some(err) => Err(err),
+            None => result.py(),
         }
-        result.py()
     }
 }
 
@@ -64,12 +63,7 @@ impl HashSource for PyHashes<'_> {
                 out.extend(hashes);
                 Ok(())
             }
-            Err(err) => {
-                *self.error.borrow_mut() = Some(err);
-                Err(Error::InvalidArgument(
-                    "block hash conversion failed".to_owned(),
-                ))
-            }
+            Err(err) => Err(self.error.keep(err, "block hash conversion")),
         }
     }
 }
