@@ -531,25 +531,14 @@ impl PyBlockHasher {
         seed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let block_size: i64 = block_size.extract()?;
-        if block_size <= 0 {
-            return Err(to_py(&Error::NonPositive {
-                name: "block_size",
-                value: block_size,
-            }));
-        }
+        // Checked before the algorithm, in the reference's order.
+        kvblocks_core::error::positive("block_size", block_size).py()?;
         let algo = match algo {
             Given::Absent => HashAlgo::Sha256,
             Given::Is(obj) => match obj.cast::<PyString>().map(|s| s.to_str()) {
                 Ok(Ok(name)) => HashAlgo::from_name(name).py()?,
-                // Not a (valid) string: `HashAlgo::from_name`'s message, quoting the
-                // object's repr().
-                _ => {
-                    return Err(PyValueError::new_err(format!(
-                        "unknown hash algorithm {}; expected one of 'sha256', 'sha256_cbor', \
-                         'xxhash', 'xxhash_cbor'",
-                        obj.repr()?
-                    )))
-                }
+                // Not a (valid) string: the same message, quoting the object's repr().
+                _ => return Err(to_py(&HashAlgo::unknown(&obj.repr()?.to_string()))),
             },
         };
         let explicit = match seed {

@@ -65,13 +65,16 @@ impl HashAlgo {
         Self::ALL
             .into_iter()
             .find(|a| a.name() == name)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "unknown hash algorithm {}; expected one of 'sha256', 'sha256_cbor', \
-                 'xxhash', 'xxhash_cbor'",
-                    py_repr(name)
-                ))
-            })
+            .ok_or_else(|| Self::unknown(&py_repr(name)))
+    }
+
+    /// The error for an algorithm name that is not one, shown as `repr` (Python's
+    /// `repr()` of what was given).
+    pub fn unknown(repr: &str) -> Error {
+        Error::InvalidArgument(format!(
+            "unknown hash algorithm {repr}; expected one of 'sha256', 'sha256_cbor', \
+             'xxhash', 'xxhash_cbor'"
+        ))
     }
 
     /// vLLM's name for the algorithm.
