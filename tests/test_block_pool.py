@@ -743,3 +743,11 @@ def test_flags_are_read_by_truthiness(backend: ModuleType) -> None:
     manager = backend.KVCacheManager(4, 4, enable_caching=1, log_stats=0)
     assert manager.enable_caching is True
     assert manager.make_prefix_cache_stats() is None
+
+
+def test_explicit_none_is_not_the_default(backend: ModuleType) -> None:
+    """``kv_cache_group_ids`` defaults to ``(0,)``; ``None`` is refused, as in the reference."""
+    pool = backend.BlockPool(4)
+    assert pool.get_cached_block(b"h") is None
+    with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+        pool.get_cached_block(b"h", None)

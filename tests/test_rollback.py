@@ -662,3 +662,10 @@ def test_outcome_reprs_match_the_reference(backend: ModuleType) -> None:
         "RollbackResult(num_computed_tokens=[16, 32], affected=[0], "
         "total_affected_tokens=32, blocks_to_evict=[2, 3])"
     )
+
+
+def test_waiting_for_remote_kvs_none_is_refused(backend: ModuleType) -> None:
+    manager = backend.KVCacheManager(4, 4)
+    assert backend.handle_invalid_blocks(manager, [1], {}, running=[]).total_affected_tokens == 0
+    with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+        backend.handle_invalid_blocks(manager, [1], {}, running=[], waiting_for_remote_kvs=None)

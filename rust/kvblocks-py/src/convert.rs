@@ -17,6 +17,23 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::Borrowed;
 
+/// An argument whose default is not `None`: absent, or exactly the object passed (so
+/// that an explicit `None` is told apart from the default).
+pub enum Given<'py> {
+    /// The caller did not pass the argument.
+    Absent,
+    /// The object the caller passed.
+    Is(Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self::Is(obj.to_owned()))
+    }
+}
+
 /// `type(obj).__name__`, for error messages.
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()

@@ -28,26 +28,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
-use crate::convert::{int_column_with, type_name, IntColumn};
+use crate::convert::{int_column_with, type_name, Given, IntColumn};
 use crate::errors::{to_py, IntoPyResult};
 use crate::request::PyRequest;
-
-/// An argument whose default is not `None`: absent, or exactly the object passed (so
-/// that an explicit `None` is told apart from the default).
-pub enum Given<'py> {
-    /// The caller did not pass the argument.
-    Absent,
-    /// The object the caller passed.
-    Is(Bound<'py, PyAny>),
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        Ok(Self::Is(obj.to_owned()))
-    }
-}
 
 // ----------------------------------------------------------------------------- token ids
 

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
 use pyo3::{ffi, Borrowed, PyTraverseError, PyVisit};
 
-use crate::convert::{int_column, type_name, Flag, IntColumn};
+use crate::convert::{int_column, type_name, Flag, Given, IntColumn};
 use crate::errors::IntoPyResult;
 use crate::manager::PyKVCacheManager;
 
@@ -486,19 +486,18 @@ impl PyBlockPool {
     ///     TypeError: the hash is not ``bytes`` or a group id is not an int.
     ///     ValueError: the hash is longer than 32 bytes or a group id is out of range.
     #[pyo3(
-        signature = (block_hash, kv_cache_group_ids=None),
+        signature = (block_hash, kv_cache_group_ids=Given::Absent),
         text_signature = "(self, block_hash, kv_cache_group_ids=(0,))"
     )]
     fn get_cached_block(
         &self,
         block_hash: &Bound<'_, PyAny>,
-        kv_cache_group_ids: Option<&Bound<'_, PyAny>>,
+        kv_cache_group_ids: Given<'_>,
     ) -> PyResult<Option<Vec<u32>>> {
         let hash = self::block_hash(block_hash)?;
-        // `None` stands for the default `(0,)`, which PyO3 cannot spell for an iterable.
         let group_ids = match kv_cache_group_ids {
-            Some(ids) => int_column(ids)?,
-            None => IntColumn::Owned(vec![0]),
+            Given::Is(ids) => int_column(&ids)?,
+            Given::Absent => IntColumn::Owned(vec![0]),
         };
         let groups = group_ids
             .iter()

@@ -14,9 +14,9 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::type_name;
+use crate::convert::{type_name, Given};
 use crate::errors::to_py;
-use crate::hashing::{token_id, token_ids, Given, NativeRequest, PyBlockHasher, RequestAttrs};
+use crate::hashing::{token_id, token_ids, NativeRequest, PyBlockHasher, RequestAttrs};
 use crate::pool::block_hashes;
 
 /// A request's token ids and the hashes of its full blocks.

@@ -21,7 +21,7 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
 use pyo3::Borrowed;
 
-use crate::convert::{int_column, Flag, IntColumn};
+use crate::convert::{int_column, Flag, Given, IntColumn};
 use crate::errors::{IntoPyResult, UnsupportedLayoutError};
 use crate::manager::PyKVCacheManager;
 
@@ -529,7 +529,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
 #[pyo3(
     signature = (
         kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running,
-        waiting_for_remote_kvs=None, policy=PolicyArg::FAIL, mode=ModeArg::VLLM
+        waiting_for_remote_kvs=Given::Absent, policy=PolicyArg::FAIL, mode=ModeArg::VLLM
     ),
     text_signature = "(kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running, waiting_for_remote_kvs=(), policy='fail', mode='vllm')"
 )]
@@ -541,18 +541,18 @@ pub fn handle_invalid_blocks<'py>(
     invalid_block_ids: &Bound<'py, PyAny>,
     num_scheduled_tokens: &Bound<'py, PyAny>,
     running: &Bound<'py, PyAny>,
-    waiting_for_remote_kvs: Option<&Bound<'py, PyAny>>,
+    waiting_for_remote_kvs: Given<'py>,
     policy: PolicyArg,
     mode: ModeArg,
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let (policy, mode) = (policy.get()?, mode.get()?);
     // Fail closed before any request is looked at, as vLLM does.
     check_single_group(kv_cache_manager)?;
-    let empty = pyo3::types::PyTuple::empty(py).into_any();
-    let waiting = RequestColumns::gather(
-        waiting_for_remote_kvs.unwrap_or(&empty),
-        num_scheduled_tokens,
-    )?;
+    let waiting = match waiting_for_remote_kvs {
+        Given::Is(requests) => requests,
+        Given::Absent => pyo3::types::PyTuple::empty(py).into_any(),
+    };
+    let waiting = RequestColumns::gather(&waiting, num_scheduled_tokens)?;
     let sync = RequestColumns::gather(running, num_scheduled_tokens)?;
     let mut seen = HashSet::new();
     waiting.check_unique(&mut seen)?;
