@@ -679,3 +679,10 @@ def test_hashes_to_cache_are_type_checked_before_length_checked(backend: ModuleT
     with pytest.raises(TypeError, match=r"^block hash must be bytes, got str$"):
         manager.allocate_slots(request, 8)
     assert manager.block_pool.get_num_free_blocks() == 7
+
+
+def test_prefix_cache_stats_is_a_hashable_value(backend: ModuleType) -> None:
+    stats = backend.PrefixCacheStats(1, 2, 3)
+    assert stats == backend.PrefixCacheStats(1, 2, 3)
+    assert len({stats, backend.PrefixCacheStats(1, 2, 3)}) == 1
+    assert stats.__eq__((1, 2, 3)) is NotImplemented

@@ -669,3 +669,12 @@ def test_waiting_for_remote_kvs_none_is_refused(backend: ModuleType) -> None:
     assert backend.handle_invalid_blocks(manager, [1], {}, running=[]).total_affected_tokens == 0
     with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
         backend.handle_invalid_blocks(manager, [1], {}, running=[], waiting_for_remote_kvs=None)
+
+
+def test_results_compare_as_values(backend: ModuleType) -> None:
+    args = ([[1, 2, 3], [4, 5]], [48, 32], [0, 0], [2], 16)
+    assert backend.rollback_invalid_blocks(*args) == backend.rollback_invalid_blocks(*args)
+    outcome = backend.InvalidBlocksOutcome(set(), {"a"}, set(), {7}, 16)
+    assert outcome == backend.InvalidBlocksOutcome(set(), {"a"}, set(), {7}, 16)
+    assert outcome != backend.InvalidBlocksOutcome(set(), {"b"}, set(), {7}, 16)
+    assert outcome.__eq__("outcome") is NotImplemented

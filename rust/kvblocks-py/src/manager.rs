@@ -151,8 +151,14 @@ impl<'py> RequestArg<'py> {
 ///
 /// Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
 /// or impossible values, and nothing decrements them.
-#[pyclass(module = "kvblocks._native", name = "PrefixCacheStats", frozen, eq)]
-#[derive(PartialEq, Eq)]
+#[pyclass(
+    module = "kvblocks._native",
+    name = "PrefixCacheStats",
+    frozen,
+    eq,
+    hash
+)]
+#[derive(PartialEq, Eq, Hash)]
 pub struct PyPrefixCacheStats {
     #[pyo3(get)]
     requests: u64,

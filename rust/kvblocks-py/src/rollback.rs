@@ -92,7 +92,8 @@ fn repr(obj: Borrowed<'_, '_, PyAny>) -> String {
 ///         for its log line. Never negative.
 ///     blocks_to_evict: Sorted block ids to remove from the prefix cache; empty unless
 ///         evictions were collected.
-#[pyclass(module = "kvblocks._native", name = "RollbackResult", frozen)]
+#[pyclass(module = "kvblocks._native", name = "RollbackResult", frozen, eq)]
+#[derive(PartialEq, Eq)]
 pub struct PyRollbackResult {
     #[pyo3(get)]
     num_computed_tokens: Vec<i64>,
@@ -120,16 +121,6 @@ impl PyRollbackResult {
             total_affected_tokens,
             blocks_to_evict,
         }
-    }
-
-    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other.cast::<Self>().is_ok_and(|o| {
-            let o = o.get();
-            o.num_computed_tokens == self.num_computed_tokens
-                && o.affected == self.affected
-                && o.total_affected_tokens == self.total_affected_tokens
-                && o.blocks_to_evict == self.blocks_to_evict
-        })
     }
 
     fn __repr__(&self) -> String {
@@ -162,7 +153,8 @@ impl From<Rollback> for PyRollbackResult {
 ///         policy; vLLM's ``failed_recving_kv_req_ids``).
 ///     evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
 ///     total_affected_tokens: Tokens rolled back (or lost with the failed requests).
-#[pyclass(module = "kvblocks._native", name = "InvalidBlocksOutcome", frozen)]
+#[pyclass(module = "kvblocks._native", name = "InvalidBlocksOutcome", frozen, eq)]
+#[derive(PartialEq, Eq)]
 pub struct PyInvalidBlocksOutcome {
     failed_req_ids: HashSet<String>,
     rescheduled_req_ids: HashSet<String>,
@@ -211,17 +203,6 @@ impl PyInvalidBlocksOutcome {
     #[getter]
     fn evicted_block_ids(&self) -> HashSet<i64> {
         self.evicted_block_ids.clone()
-    }
-
-    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other.cast::<Self>().is_ok_and(|o| {
-            let o = o.get();
-            o.failed_req_ids == self.failed_req_ids
-                && o.rescheduled_req_ids == self.rescheduled_req_ids
-                && o.retry_req_ids == self.retry_req_ids
-                && o.evicted_block_ids == self.evicted_block_ids
-                && o.total_affected_tokens == self.total_affected_tokens
-        })
     }
 
     /// The reference's repr: the sets as Python shows them.
