@@ -10,23 +10,10 @@ use kvblocks_core::hashing::{
 use kvblocks_core::BlockHash;
 use serde_json::Value as Json;
 
+mod common;
+use common::{hex, hex_decode};
+
 const GOLDEN: &str = include_str!("../../../tests/golden/hashes.jsonl");
-
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes.iter().fold(String::new(), |mut s, b| {
-        write!(s, "{b:02x}").unwrap();
-        s
-    })
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    assert!(s.len() % 2 == 0, "odd hex length");
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 fn hexes(hashes: &[BlockHash]) -> Vec<String> {
     hashes.iter().map(|h| hex(h.as_bytes())).collect()
@@ -48,7 +35,7 @@ fn to_value(j: &Json) -> Value {
             }
         }
         Json::Array(items) => Value::tuple(items.iter().map(to_value).collect()).unwrap(),
-        Json::Object(o) => Value::bytes(&unhex(o["bytes"].as_str().unwrap())),
+        Json::Object(o) => Value::bytes(&hex_decode(o["bytes"].as_str().unwrap())),
         Json::Bool(_) => panic!("no bools in extra keys"),
     }
 }

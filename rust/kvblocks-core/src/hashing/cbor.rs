@@ -235,13 +235,7 @@ fn head(major: u8, arg: u64) -> ([u8; 9], usize) {
 mod tests {
     use super::*;
 
-    fn hex(bytes: &[u8]) -> String {
-        use std::fmt::Write;
-        bytes.iter().fold(String::new(), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
-    }
+    use crate::hashing::hex;
 
     fn int_hex(le: &[u8]) -> String {
         let mut out = Vec::new();

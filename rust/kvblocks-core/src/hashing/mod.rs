@@ -144,11 +144,7 @@ pub fn resolve_seed(
     getrandom::fill(&mut random).map_err(|e| {
         Error::InvalidArgument(format!("cannot read random bytes for the hash seed: {e}"))
     })?;
-    Ok(random.iter().fold(String::with_capacity(64), |mut hex, b| {
-        // Writing to a String cannot fail.
-        let _ = write!(hex, "{b:02x}");
-        hex
-    }))
+    Ok(hex(&random))
 }
 
 /// Computes vLLM block hashes for one algorithm, block size and seed.
@@ -413,6 +409,17 @@ impl BlockHasher {
             from_digest(&sha256_in_place(buf, len)?)
         })
     }
+}
+
+/// Lower-case hex of `bytes` (the random seed; test output).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .fold(String::with_capacity(2 * bytes.len()), |mut out, b| {
+            // Writing to a String cannot fail.
+            let _ = write!(out, "{b:02x}");
+            out
+        })
 }
 
 /// The most bytes SHA-256 padding writes past a message: `0x80`, up to 63 zeros and

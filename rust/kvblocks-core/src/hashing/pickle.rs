@@ -509,13 +509,7 @@ fn write_long(out: &mut Vec<u8>, le: &[u8]) {
 mod tests {
     use super::*;
 
-    fn hex(bytes: &[u8]) -> String {
-        use std::fmt::Write;
-        bytes.iter().fold(String::new(), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
-    }
+    use crate::hashing::hex;
 
     #[test]
     fn seed_string() {
