@@ -8,12 +8,11 @@ byte, rolled-back token counts and evictions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import golden_params
+from conftest import FakeManager, Req, golden_params
 from kvblocks.errors import NoFreeBlocksError, UnsupportedLayoutError
 
 
@@ -155,39 +154,15 @@ def test_manager(backend: ModuleType, case: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- rollback
 
 
-@dataclass(slots=True)
-class GoldenRequest:
-    """The duck-typed request the rollback entry points read and write."""
-
-    request_id: str
-    num_computed_tokens: int
+def golden_requests(case: dict[str, Any]) -> list[Req]:
+    return [Req(r["req_id"], r["num_computed_tokens"]) for r in case["requests"]]
 
 
-@dataclass(slots=True)
-class TableManager:
-    """A manager stand-in over arbitrary block tables (golden tables need no pool)."""
-
-    block_size: int
-    tables: dict[str, list[int]]
-    num_kv_cache_groups: int = 1
-    evict_calls: list[set[int]] = field(default_factory=list)
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int]]:
-        return (self.tables.get(request_id, []),)
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        self.evict_calls.append(set(block_ids))
-
-
-def golden_requests(case: dict[str, Any]) -> list[GoldenRequest]:
-    return [GoldenRequest(r["req_id"], r["num_computed_tokens"]) for r in case["requests"]]
-
-
-def table_manager(case: dict[str, Any]) -> TableManager:
-    return TableManager(
-        case["block_size"],
+def table_manager(case: dict[str, Any]) -> FakeManager:
+    return FakeManager(
         {r["req_id"]: r["block_ids"] for r in case["requests"]},
-        case.get("num_kv_cache_groups", 1),
+        block_size=case["block_size"],
+        num_kv_cache_groups=case.get("num_kv_cache_groups", 1),
     )
 
 

@@ -11,12 +11,12 @@ test checks that the call changed nothing. The golden vectors are replayed by
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import FakeManager, Req
 from kvblocks.errors import UnknownBlockError, UnsupportedLayoutError
 
 BS = 16
@@ -25,38 +25,6 @@ MULTIPLE_GROUPS_MESSAGE = (
     "supported for models with multiple KV cache groups. Connectors must report failed "
     "requests via KVConnectorTransferResults.failed_recving instead."
 )
-
-
-@dataclass(slots=True)
-class Req:
-    """The duck-typed request the entry points read and write."""
-
-    request_id: str
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class FakeManager:
-    """A KV cache manager stand-in: block tables, a block size, recorded evictions."""
-
-    tables: dict[str, list[int]]
-    block_size: int = BS
-    num_kv_cache_groups: int = 1
-    evict_calls: list[set[int]] = field(default_factory=list)
-    num_blocks: int | None = None
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([list(self.tables.get(request_id, []))] * self.num_kv_cache_groups)
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        if self.num_blocks is not None:
-            for block_id in sorted(block_ids):
-                if block_id >= self.num_blocks:
-                    raise UnknownBlockError(
-                        f"block id {block_id} is out of range for a pool of "
-                        f"{self.num_blocks} blocks"
-                    )
-        self.evict_calls.append(set(block_ids))
 
 
 R1_IDS = list(range(1, 101))  # r1's 100 blocks

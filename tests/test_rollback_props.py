@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
-from conftest import outcome
+from conftest import FakeManager, Req, outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvblocks.reference import scheduler as reference
@@ -24,25 +24,6 @@ from kvblocks.reference import scheduler as reference
 PROPERTY = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-@dataclass(slots=True)
-class Req:
-    request_id: str
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class Manager:
-    block_size: int
-    tables: dict[str, list[int]]
-    evict_calls: list[set[int]] = field(default_factory=list)
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int]]:
-        return (self.tables.get(request_id, []),)
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        self.evict_calls.append(set(block_ids))
 
 
 @dataclass(slots=True)
@@ -62,8 +43,8 @@ class Batch:
     def requests(self) -> list[Req]:
         return [Req(rid, n) for rid, n in zip(self.ids, self.computed, strict=True)]
 
-    def manager(self) -> Manager:
-        return Manager(self.block_size, dict(zip(self.ids, self.tables, strict=True)))
+    def manager(self) -> FakeManager:
+        return FakeManager(dict(zip(self.ids, self.tables, strict=True)), self.block_size)
 
     def scheduled_map(self) -> dict[str, int]:
         # Requests with nothing scheduled are left out, as vLLM's dict does.
@@ -87,7 +68,7 @@ def batches(draw: st.DrawFn, max_requests: int = 8) -> Batch:
 
 
 def vllm_update_requests_with_invalid_blocks(
-    manager: Manager,
+    manager: FakeManager,
     requests: list[Req],
     invalid_block_ids: set[int],
     num_scheduled_tokens: dict[str, int],
@@ -240,9 +221,9 @@ def test_handle_invalid_blocks_is_two_passes_and_the_policy(
     scheduled = {**waiting.scheduled_map()}
     scheduled.update({rid: running.scheduled[i] for rid, i in zip(run_ids, keep, strict=True)})
 
-    def fresh() -> tuple[Manager, list[Req], list[Req]]:
+    def fresh() -> tuple[FakeManager, list[Req], list[Req]]:
         run = [Req(rid, running.computed[i]) for rid, i in zip(run_ids, keep, strict=True)]
-        return Manager(block_size, tables), waiting.requests(), run
+        return FakeManager(tables, block_size), waiting.requests(), run
 
     manager, async_reqs, sync_reqs = fresh()
     outcome = backend.handle_invalid_blocks(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from conftest import Outcome, outcome
+from conftest import Outcome, block_tuple, outcome
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -300,14 +300,7 @@ class ManagerComparison(RuleBasedStateMachine):
         assert other.block_pool.get_num_free_blocks() == ref.block_pool.get_num_free_blocks()
         assert other.usage == ref.usage
         for block_id in range(self.num_blocks):
-            a, b = ref.block_pool.get_block(block_id), other.block_pool.get_block(block_id)
-            assert (b.block_id, b.ref_cnt, b.block_hash, b.group_id, b.is_null) == (
-                a.block_id,
-                a.ref_cnt,
-                a.block_hash,
-                a.group_id,
-                a.is_null,
-            )
+            assert block_tuple(other.block_pool, block_id) == block_tuple(ref.block_pool, block_id)
         # Ref counts are exactly the blocks' appearances in live block tables.
         uses: dict[int, int] = {}
         for pair in self.live.values():

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from conftest import Outcome, outcome
+from conftest import Outcome, block_tuple, outcome
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -50,11 +50,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-def block_tuple(pool: Any, block_id: int) -> tuple[Any, ...]:
-    b = pool.get_block(block_id)
-    return (b.block_id, b.ref_cnt, b.block_hash, b.group_id, b.is_null)
 
 
 class PoolComparison(RuleBasedStateMachine):
