@@ -233,9 +233,10 @@ impl<'py> RequestTokens<'py> {
                     .get(range.start.min(end)..end)
                     .unwrap_or_default(),
             );
-            // Most requests have none of these: no Python call for them.
+            // Most requests have none of these: no Python call for them. The test is
+            // the helper's own (truthiness), as for any other request below.
             let attrs = &view.attrs;
-            !attrs.lora_request.is_none()
+            attrs.lora_request.is_truthy()?
                 || (first_block == 0 && attrs.cache_salt.is_truthy()?)
                 || attrs.mm_features.is_truthy()?
         } else {
