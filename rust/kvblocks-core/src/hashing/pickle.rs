@@ -115,8 +115,8 @@ pub fn dumps_block(
     // so the boundary checks of the tuple and of the parent cannot commit a frame.
     p.bytes(parent);
     match parent_object {
-        ParentObject::Caller => p.alias_last_slot(ObjectId::PARENT),
-        ParentObject::NoneHash => p.alias_last_slot(ObjectId::NONE_HASH),
+        ParentObject::Caller => p.remember(Some(ObjectId::PARENT)),
+        ParentObject::NoneHash => p.remember(Some(ObjectId::NONE_HASH)),
         ParentObject::Fresh => {}
     }
     p.boundary();
@@ -274,11 +274,6 @@ impl<'a> Pickler<'a> {
         self.memo_len += 1;
     }
 
-    /// Records that the object just memoized is also known by `id`.
-    fn alias_last_slot(&mut self, id: ObjectId) {
-        self.memo.slots.insert(id, self.memo_len - 1);
-    }
-
     /// Writes a memo reference if `id` was memoized; returns whether it did.
     fn try_get(&mut self, id: Option<ObjectId>) -> bool {
         let Some(slot) = id.and_then(|id| self.memo.slots.get(&id).copied()) else {
@@ -293,6 +288,7 @@ impl<'a> Pickler<'a> {
         true
     }
 
+    /// Records that the object just memoized is also known by `id` (if it has one).
     fn remember(&mut self, id: Option<ObjectId>) {
         if let Some(id) = id {
             self.memo.slots.insert(id, self.memo_len - 1);
