@@ -106,7 +106,8 @@ impl<'py> HashSeq<'py> {
         }
         for i in range.clone() {
             let item = self.borrowed(i)?;
-            if !item.is_instance_of::<PyBytes>() {
+            // The exact check is a pointer compare; subclasses take the full one.
+            if !item.is_exact_instance_of::<PyBytes>() && !item.is_instance_of::<PyBytes>() {
                 hash_bytes(&item)?;
             }
         }
