@@ -24,25 +24,41 @@ fn hash_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     })
 }
 
+/// One Python block hash: its type error at once (`Err`), its length error (the inner
+/// result) for the caller to order.
+fn read_hash(obj: &Bound<'_, PyAny>) -> PyResult<kvblocks_core::Result<BlockHash>> {
+    Ok(BlockHash::new(hash_bytes(obj)?.as_bytes()))
+}
+
 /// Converts one Python block hash (`bytes`) into a core `BlockHash`.
 pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
-    BlockHash::new(hash_bytes(obj)?.as_bytes()).py()
+    read_hash(obj)?.py()
 }
 
 /// Block hashes converted as a batch, as the reference's ``to_block_hashes``: every
 /// item's type is checked before any hash's length, so a `TypeError` anywhere wins
-/// over a too-long hash before it.
+/// over a too-long hash before it. One pass: the first length error waits.
+fn collect_hashes(
+    items: impl Iterator<Item = PyResult<kvblocks_core::Result<BlockHash>>>,
+) -> PyResult<Vec<BlockHash>> {
+    let mut hashes = Vec::with_capacity(items.size_hint().0);
+    let mut too_long = None;
+    for item in items {
+        match item? {
+            Ok(hash) => hashes.push(hash),
+            Err(err) => {
+                too_long.get_or_insert(err);
+            }
+        }
+    }
+    too_long.map_or(Ok(hashes), |err| Err(err).py())
+}
+
+/// [`collect_hashes`] over Python objects.
 pub fn block_hashes<'py>(
     items: impl IntoIterator<Item = PyResult<Bound<'py, PyAny>>>,
 ) -> PyResult<Vec<BlockHash>> {
-    let bytes = items
-        .into_iter()
-        .map(|item| hash_bytes(&item?))
-        .collect::<PyResult<Vec<_>>>()?;
-    bytes
-        .iter()
-        .map(|b| BlockHash::new(b.as_bytes()).py())
-        .collect()
+    collect_hashes(items.into_iter().map(|item| read_hash(&item?)))
 }
 
 /// `block_hashes` as a sequence: sequences are indexed in place, any other iterable is
@@ -101,17 +117,7 @@ impl<'py> HashSeq<'py> {
     /// Items `range` as block hashes, converted as a batch ([`block_hashes`]): every
     /// type is checked before any length.
     pub fn range(&self, range: std::ops::Range<usize>) -> PyResult<Vec<BlockHash>> {
-        if matches!(self.kind, SeqKind::Other) {
-            return block_hashes(range.map(|i| self.seq.get_item(i)));
-        }
-        for i in range.clone() {
-            let item = self.borrowed(i)?;
-            // The exact check is a pointer compare; subclasses take the full one.
-            if !item.is_exact_instance_of::<PyBytes>() && !item.is_instance_of::<PyBytes>() {
-                hash_bytes(&item)?;
-            }
-        }
-        range.map(|i| self.get(i)).collect()
+        collect_hashes(range.map(|i| self.read(i)))
     }
 
     /// Item `i` of an exact list or tuple, borrowed (reading it runs no Python code).
@@ -130,12 +136,17 @@ impl<'py> HashSeq<'py> {
 
     /// Item `i` as a block hash.
     pub fn get(&self, i: usize) -> PyResult<BlockHash> {
+        self.read(i)?.py()
+    }
+
+    /// Item `i`: its type error at once, its length error inside ([`read_hash`]).
+    fn read(&self, i: usize) -> PyResult<kvblocks_core::Result<BlockHash>> {
         if matches!(self.kind, SeqKind::Other) {
-            return block_hash(&self.seq.get_item(i)?);
+            return read_hash(&self.seq.get_item(i)?);
         }
         let item = self.borrowed(i)?;
         if !item.is_exact_instance_of::<PyBytes>() {
-            return block_hash(&item);
+            return read_hash(&item);
         }
         let mut data: *mut std::ffi::c_char = std::ptr::null_mut();
         let mut len: ffi::Py_ssize_t = 0;
@@ -146,7 +157,7 @@ impl<'py> HashSeq<'py> {
             ffi::PyBytes_AsStringAndSize(item.as_ptr(), &raw mut data, &raw mut len);
             std::slice::from_raw_parts(data.cast::<u8>(), usize::try_from(len).unwrap_or(0))
         };
-        BlockHash::new(bytes).py()
+        Ok(BlockHash::new(bytes))
     }
 }
 
