@@ -143,14 +143,28 @@ impl PrefixMap {
         if self.entries.get(b).is_none_or(|e| e.slot != NO_BLOCK) {
             return false;
         }
-        let Some(slot) = self.interner.intern(hash) else {
-            return false;
-        };
-        let prev = match self.head(slot, group) {
-            None => {
-                self.set_head(slot, group, block);
-                block
+        let (slot, head) = if group == 0 {
+            // The interner makes `block` the head if the key has none, in the probe
+            // that finds the slot.
+            let Some((slot, head)) = self.interner.intern_tagged(hash, block) else {
+                return false;
+            };
+            if head == NO_TAG {
+                self.num_group0_keys += 1;
             }
+            (slot, Some(head).filter(|&h| h != NO_TAG))
+        } else {
+            let Some(slot) = self.interner.intern(hash) else {
+                return false;
+            };
+            let head = self.head(slot, group);
+            if head.is_none() {
+                self.set_head(slot, group, block);
+            }
+            (slot, head)
+        };
+        let prev = match head {
+            None => block,
             Some(head) => {
                 let last = self.entries[ix(head)].prev;
                 self.entries[ix(last)].next = block;
