@@ -135,6 +135,7 @@ impl<'py> HashSeq<'py> {
     // returned copy is read back while its stores are still pending, with wider loads
     // than they were written with, and the CPU stalls on every hash (this was 80 % of
     // `range`'s time in a profile of the pool churn).
+    #[allow(clippy::inline_always)]
     #[inline(always)]
     fn exact(&self, i: usize) -> Option<BlockHash> {
         if matches!(self.kind, SeqKind::Other) {
