@@ -382,8 +382,8 @@ fn error_messages_match_the_catalogue() {
 }
 
 /// 1,048,576 blocks, all allocated and cached under distinct hashes (the worst case
-/// for memory): the pool must stay under 100 bytes a block (90 today: 28 per block, a
-/// 44-byte hash slot and the hash index).
+/// for memory): the pool must stay under 100 bytes a block (94 today: 28 per block, a
+/// 48-byte hash slot and the hash index).
 #[test]
 fn a_million_blocks_fit_in_memory_budget() {
     const N: i64 = 1 << 20;
