@@ -13,10 +13,11 @@ pub const MAX_HASH_LEN: usize = 32;
 /// A block hash of 0 to 32 bytes, stored inline so that it never allocates.
 ///
 /// The layout is for speed of copying: the bytes are 8-byte aligned and the length is
-/// a full word, so a hash is always written and read as whole words. (With a `u8`
-/// length, a copy reads the length's word including padding that the writer never
-/// stored; the CPU cannot forward such a read from the pending store and stalls on
-/// every hash passed by value, which cost a quarter of `cache_full_blocks`.)
+/// a full word, so a hash is always written and read as whole words. (With alignment 1
+/// and a `u8` length, copies were written at odd offsets or in partial words and read
+/// back with wider loads, the padding after the length included, which nobody stores;
+/// the CPU cannot forward such a load from the pending stores, so it stalled on every
+/// hash passed by value: about a third of `cache_full_blocks` in the pool churn.)
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(C, align(8))]
 pub struct BlockHash {
