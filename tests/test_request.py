@@ -279,3 +279,43 @@ def test_hashes_from_a_hasher_are_type_checked_before_length_checked(
 ) -> None:
     with pytest.raises(TypeError, match=r"^block hash must be bytes, got str$"):
         backend.Request("a", list(range(8)), block_hasher=lambda request: [b"x" * 40, "y"])
+
+
+def test_a_python_hasher_reads_the_tokens_being_appended(backend: ModuleType) -> None:
+    """vLLM's hasher slices ``all_token_ids`` up to ``num_tokens``: the list it reads must
+    already hold the new tokens, also when the list was handed out before."""
+
+    def hasher(request: Any) -> list[bytes]:
+        tokens = request.all_token_ids
+        assert len(tokens) == request.num_tokens
+        done = len(request.block_hashes)
+        return [bytes(tokens[i * 2 : i * 2 + 2]) for i in range(done, request.num_tokens // 2)]
+
+    request = backend.Request("a", [1, 2, 3], block_hasher=hasher)
+    assert list(request.all_token_ids) == [1, 2, 3]
+    request.append_output_token_ids(4)
+    assert list(request.block_hashes) == [b"\x01\x02", b"\x03\x04"]
+    assert list(request.block_hashes) == list(
+        backend.Request("b", [1, 2, 3, 4], block_hasher=hasher).block_hashes
+    )
+
+
+def test_extra_key_attributes_may_read_the_request(backend: ModuleType) -> None:
+    """Reading the request's lists from inside hashing (here a LoRA attribute that
+    looks at the tokens) is allowed: the lists need no exclusive borrow."""
+    seen: list[int] = []
+
+    class Lora:
+        lora_path = "/adapters/a"
+
+        @property
+        def lora_name(self) -> str:
+            seen.append(len(request.all_token_ids) + len(request.block_hashes))
+            return "a"
+
+    hasher = backend.BlockHasher(2, "sha256", "seed")
+    request = backend.Request("r", [1, 2, 3], block_hasher=hasher)
+    request.lora_request = Lora()
+    request.append_output_token_ids(4)
+    assert len(request.block_hashes) == 2
+    assert seen and all(n >= 4 for n in seen)

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
+use std::sync::OnceLock;
 
 use crate::convert::{type_name, Given};
 use crate::errors::to_py;
@@ -39,59 +40,88 @@ pub struct PyRequest {
     cache_salt: Option<Py<PyAny>>,
     mm_features: Option<Py<PyAny>>,
     prompt_embeds: Option<Py<PyAny>>,
-    /// The lists the getters hand out, built on first access and kept in step with the
-    /// vectors above: the reference hands out its own lists, so a scheduler reading
-    /// `all_token_ids` or `block_hashes` every step pays nothing and gets one object.
+    /// The lists the getters hand out, one object each for the request's life: the
+    /// reference hands out its own lists, so a scheduler reading `all_token_ids` or
+    /// `block_hashes` every step gets one object and pays only for what changed.
     views: ListViews,
 }
 
 /// Python mirrors of a request's token and hash vectors (see [`PyRequest::views`]).
+/// Each is made on first read; [`PyRequest::sync_views`] brings the existing ones in
+/// step after every change, before any hasher runs, so a list handed out earlier and a
+/// hasher reading the request both see the tokens being appended.
 #[derive(Default)]
 struct ListViews {
-    prompt_token_ids: Option<Py<PyList>>,
-    all_token_ids: Option<Py<PyList>>,
-    output_token_ids: Option<Py<PyList>>,
-    block_hashes: Option<Py<PyList>>,
+    prompt_token_ids: OnceLock<Py<PyList>>,
+    all_token_ids: OnceLock<Py<PyList>>,
+    output_token_ids: OnceLock<Py<PyList>>,
+    block_hashes: OnceLock<Py<PyList>>,
 }
 
-/// `cached`, or a new list of `items` stored there first.
-fn view<'py, T>(
+/// The list in `cell`, or a new list of `items` (converted by `convert`) put there.
+fn view<'py, T, O>(
     py: Python<'py>,
-    cached: &mut Option<Py<PyList>>,
-    items: impl IntoIterator<Item = T, IntoIter: ExactSizeIterator>,
+    cell: &OnceLock<Py<PyList>>,
+    items: &[T],
+    convert: impl Fn(&T) -> O,
 ) -> PyResult<Bound<'py, PyList>>
 where
-    T: IntoPyObject<'py>,
+    O: IntoPyObject<'py>,
 {
-    if let Some(list) = cached {
+    if let Some(list) = cell.get() {
         return Ok(list.bind(py).clone());
     }
-    let list = PyList::new(py, items)?;
-    *cached = Some(list.clone().unbind());
+    // Building the list runs no Python code, so nothing can fill the cell meanwhile and
+    // `set` cannot fail.
+    let list = PyList::new(py, items.iter().map(convert))?;
+    let _ = cell.set(list.clone().unbind());
     Ok(list)
 }
 
-/// Appends to `cached` (if it exists) the token ids of `source` past its length.
-fn catch_up(py: Python<'_>, cached: Option<&Py<PyList>>, source: &[i64]) -> PyResult<()> {
-    let Some(list) = cached.map(|l| l.bind(py)) else {
+/// Brings the list in `cell`, if it was made, in step with `items`: appends what
+/// `items` gained, deletes the tail it lost (an append taken back).
+fn sync<'py, T, O>(
+    py: Python<'py>,
+    cell: &OnceLock<Py<PyList>>,
+    items: &[T],
+    convert: impl Fn(&T) -> O,
+) -> PyResult<()>
+where
+    O: IntoPyObject<'py>,
+{
+    let Some(list) = cell.get().map(|l| l.bind(py)) else {
         return Ok(());
     };
-    for &token in source.get(list.len()..).unwrap_or_default() {
-        list.append(token)?;
+    let len = list.len();
+    match items.get(len..) {
+        Some(new) => new.iter().try_for_each(|item| list.append(convert(item))),
+        None => list.del_slice(items.len(), len),
     }
-    Ok(())
 }
 
 impl PyRequest {
-    /// Brings the handed-out `block_hashes` list up to date.
-    fn catch_up_hashes(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(list) = self.views.block_hashes.as_ref().map(|l| l.bind(py)) else {
-            return Ok(());
-        };
-        for hash in self.block_hashes.get(list.len()..).unwrap_or_default() {
-            list.append(PyBytes::new(py, hash.as_bytes()))?;
-        }
-        Ok(())
+    /// Brings the handed-out lists in step with the token and hash vectors.
+    fn sync_views(&self, py: Python<'_>) -> PyResult<()> {
+        let views = &self.views;
+        sync(py, &views.all_token_ids, &self.all_token_ids, |&t| t)?;
+        sync(py, &views.output_token_ids, self.output(), |&t| t)?;
+        sync(py, &views.block_hashes, &self.block_hashes, |h| {
+            PyBytes::new(py, h.as_bytes())
+        })
+    }
+
+    /// The prompt's token ids.
+    fn prompt(&self) -> &[i64] {
+        self.all_token_ids
+            .get(..self.num_prompt_tokens)
+            .unwrap_or_default()
+    }
+
+    /// The output token ids.
+    fn output(&self) -> &[i64] {
+        self.all_token_ids
+            .get(self.num_prompt_tokens..)
+            .unwrap_or_default()
     }
 
     /// The request id.
@@ -236,38 +266,28 @@ impl PyRequest {
 
     /// The prompt's token ids (do not modify).
     #[getter]
-    fn prompt_token_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let prompt = self
-            .all_token_ids
-            .get(..self.num_prompt_tokens)
-            .unwrap_or_default();
-        view(py, &mut self.views.prompt_token_ids, prompt)
+    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        view(py, &self.views.prompt_token_ids, self.prompt(), |&t| t)
     }
 
     /// Prompt then output token ids (do not modify).
     #[getter]
-    fn all_token_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        view(py, &mut self.views.all_token_ids, &self.all_token_ids)
+    fn all_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        view(py, &self.views.all_token_ids, &self.all_token_ids, |&t| t)
     }
 
     /// Token ids appended since construction (do not modify).
     #[getter]
-    fn output_token_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let output = self
-            .all_token_ids
-            .get(self.num_prompt_tokens..)
-            .unwrap_or_default();
-        view(py, &mut self.views.output_token_ids, output)
+    fn output_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        view(py, &self.views.output_token_ids, self.output(), |&t| t)
     }
 
     /// One hash per full block hashed so far, block 0 first (do not modify).
     #[getter(block_hashes)]
-    fn block_hashes_list<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let hashes = self
-            .block_hashes
-            .iter()
-            .map(|h| PyBytes::new(py, h.as_bytes()));
-        view(py, &mut self.views.block_hashes, hashes)
+    fn block_hashes_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        view(py, &self.views.block_hashes, &self.block_hashes, |h| {
+            PyBytes::new(py, h.as_bytes())
+        })
     }
 
     /// The LoRA adapter: adds ``("lora", name, path)`` to every block's extra keys.
@@ -376,28 +396,19 @@ impl PyRequest {
         } else {
             self::token_ids(token_ids)?.into_vec()
         };
+        let py = slf.py();
         slf.try_borrow_mut()?
             .all_token_ids
             .extend_from_slice(&new_ids);
+        slf.try_borrow()?.sync_views(py)?;
         Self::update_block_hashes(slf).or_else(|err| {
             // All or nothing: take the tokens back out.
             let mut request = slf.try_borrow_mut()?;
             let keep = request.all_token_ids.len().saturating_sub(new_ids.len());
             request.all_token_ids.truncate(keep);
+            request.sync_views(py)?;
             Err(err)
-        })?;
-        let py = slf.py();
-        let request = slf.try_borrow()?;
-        let output = request
-            .all_token_ids
-            .get(request.num_prompt_tokens..)
-            .unwrap_or_default();
-        catch_up(
-            py,
-            request.views.all_token_ids.as_ref(),
-            &request.all_token_ids,
-        )?;
-        catch_up(py, request.views.output_token_ids.as_ref(), output)
+        })
     }
 
     /// Appends the hashes of full blocks not hashed yet (vLLM's method of that name).
@@ -433,14 +444,14 @@ impl PyRequest {
                 } = &mut *request;
                 native.run(&plan, all_token_ids, block_hashes)?;
             }
-            return slf.try_borrow()?.catch_up_hashes(py);
+            return slf.try_borrow()?.sync_views(py);
         }
         // Any other callable gets the request itself, with no borrow held, and may
         // read anything on it.
         let result = hasher.bind(py).call1((slf,))?;
         let new_hashes = block_hashes(result.try_iter()?)?;
         slf.try_borrow_mut()?.block_hashes.extend(new_hashes);
-        slf.try_borrow()?.catch_up_hashes(py)
+        slf.try_borrow()?.sync_views(py)
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -467,15 +478,13 @@ impl PyRequest {
             visit.call(obj)?;
         }
         let views = &self.views;
-        for list in [
+        let cells = [
             &views.prompt_token_ids,
             &views.all_token_ids,
             &views.output_token_ids,
             &views.block_hashes,
-        ]
-        .into_iter()
-        .flatten()
-        {
+        ];
+        for list in cells.into_iter().filter_map(OnceLock::get) {
             visit.call(list)?;
         }
         Ok(())
