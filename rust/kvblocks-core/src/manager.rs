@@ -48,6 +48,19 @@ pub trait HashSource {
     /// it on unchanged, having changed nothing.
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> Result<()>;
 
+    /// Hash `i` alone (a lookup reads hashes one at a time, up to the first miss).
+    ///
+    /// # Errors
+    /// Those of [`HashSource::hashes`]; [`Error::TooFewHashes`] if it gave no hash.
+    fn hash(&self, i: usize) -> Result<BlockHash> {
+        let mut one = Vec::with_capacity(1);
+        self.hashes(i..i + 1, &mut one)?;
+        one.first().copied().ok_or(Error::TooFewHashes {
+            needed: i + 1,
+            got: i,
+        })
+    }
+
     /// The request's token ids, if this source provides them. A manager asks only
     /// when KV cache events are on (for `BlockStored.token_ids`); it then refuses to
     /// cache the blocks of a request whose source returns `None` (the default).
@@ -90,6 +103,13 @@ impl HashSource for [BlockHash] {
         })?;
         out.extend_from_slice(slice);
         Ok(())
+    }
+
+    fn hash(&self, i: usize) -> Result<BlockHash> {
+        self.get(i).copied().ok_or(Error::TooFewHashes {
+            needed: i + 1,
+            got: self.len(),
+        })
     }
 }
 
@@ -303,14 +323,7 @@ impl KVCacheManager {
             (num_tokens.saturating_sub(1) / self.block_size).min(request.block_hashes.num_hashes());
         // One hash at a time: the scan stops at the first miss, and a hash past it is
         // neither converted nor validated (as vLLM, which never reads it).
-        let mut one = Vec::with_capacity(1);
-        let hashes = (0..max_blocks).map(|i| {
-            one.clear();
-            request.block_hashes.hashes(i..i + 1, &mut one)?;
-            one.first()
-                .copied()
-                .ok_or_else(|| Error::InvalidArgument(format!("the request has no block hash {i}")))
-        });
+        let hashes = (0..max_blocks).map(|i| request.block_hashes.hash(i));
         let hits = self.pool.find_longest_cache_hit(hashes, GROUP_ID)?;
         let hit_tokens = hits.len() * self.block_size;
         Ok((hits, hit_tokens))
@@ -721,17 +734,7 @@ impl KVCacheManager {
         full: usize,
     ) -> Result<(Option<BlockHash>, Vec<i64>)> {
         let parent = match num_cached.checked_sub(1) {
-            Some(i) => {
-                let mut one = Vec::with_capacity(1);
-                request.block_hashes.hashes(i..num_cached, &mut one)?;
-                let Some(&parent) = one.first() else {
-                    return Err(Error::TooFewHashes {
-                        needed: num_cached,
-                        got: i,
-                    });
-                };
-                Some(parent)
-            }
+            Some(i) => Some(request.block_hashes.hash(i)?),
             None => None,
         };
         let Some(source) = request.block_hashes.token_source() else {

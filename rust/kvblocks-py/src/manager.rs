@@ -66,6 +66,12 @@ impl HashSource for PyHashes<'_> {
             Err(err) => Err(self.error.keep(err, "block hash conversion")),
         }
     }
+
+    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
+        self.seq
+            .get(i)
+            .map_err(|err| self.error.keep(err, "block hash conversion"))
+    }
 }
 
 /// A native request's hashes, already converted.
@@ -78,6 +84,10 @@ impl HashSource for SliceHashes<'_> {
 
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
         self.0.hashes(range, out)
+    }
+
+    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
+        self.0.hash(i)
     }
 }
 
