@@ -137,3 +137,16 @@ pub fn positive(name: &'static str, value: i64) -> Result<usize> {
         .filter(|&v| v > 0)
         .ok_or(Error::NonPositive { name, value })
 }
+
+/// `value` as a KV cache group id, which vLLM encodes in 4 bytes.
+///
+/// # Errors
+/// [`Error::Negative`] for `value < 0`; [`Error::InvalidArgument`] above `u32::MAX`.
+pub fn group_id(name: &'static str, value: i64) -> Result<u32> {
+    if value < 0 {
+        return Err(Error::Negative { name, value });
+    }
+    u32::try_from(value).map_err(|_| {
+        Error::InvalidArgument(format!("{name} must be at most {}, got {value}", u32::MAX))
+    })
+}

@@ -20,8 +20,10 @@
 //! 2. a non-null block is in the free queue iff its ref count is 0;
 //! 3. the free queue and the prefix map are internally consistent.
 
+use std::ops::Range;
+
 use crate::block_hash::BlockHash;
-use crate::error::{non_negative, positive, Error, Result};
+use crate::error::{group_id, non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::free_queue::{ix, try_filled_vec, FreeQueue, MAX_CAPACITY};
 use crate::prefix_map::PrefixMap;
@@ -194,10 +196,7 @@ impl BlockPool {
     /// not `enable_caching` is set (vLLM's pool does not look at it here).
     ///
     /// # Errors
-    /// In this order (the reference's): [`Error::UnknownBlock`] for any id in
-    /// `block_ids`; [`Error::Negative`] (`num_cached_blocks`, then `num_full_blocks`);
-    /// [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`]; [`Error::AlreadyHashed`]
-    /// for the first block in range that has a hash or appears twice in the range.
+    /// Those of [`Self::cache_full_blocks_with`].
     pub fn cache_full_blocks(
         &mut self,
         block_ids: &[i64],
@@ -206,86 +205,45 @@ impl BlockPool {
         num_full_blocks: i64,
         group_id: u32,
     ) -> Result<()> {
-        let (num_cached, num_full) =
-            self.check_cache_range(block_ids, num_cached_blocks, num_full_blocks)?;
-        Self::check_cache_lengths(block_ids.len(), block_hashes.len(), num_full)?;
-        if num_cached >= num_full {
-            return Ok(());
-        }
-        self.cache_range(
+        self.cache_full_blocks_with(
             block_ids,
-            num_cached,
-            &block_hashes[num_cached..num_full],
-            group_id,
+            block_hashes.len(),
+            num_cached_blocks,
+            num_full_blocks,
+            i64::from(group_id),
+            |range| Ok(block_hashes[range].to_vec()),
         )
     }
 
-    /// The caching step of [`Self::cache_full_blocks`], for a caller that ran
-    /// [`Self::check_cache_range`] and [`Self::check_cache_lengths`] itself and then
-    /// converted only the hashes of the blocks to cache: `new_hashes[i]` goes to block
-    /// `block_ids[num_cached + i]`.
+    /// [`Self::cache_full_blocks`] for a caller whose `num_hashes` hashes are not
+    /// converted yet (the Python binding): once every argument is checked, and only if
+    /// there is something to cache, `new_hashes(num_cached_blocks..num_full_blocks)`
+    /// converts the hashes of the blocks to cache, as vLLM reads only those.
     ///
     /// # Errors
-    /// [`Error::UnknownBlock`] for an id in the range out of range and
-    /// [`Error::TooManyFullBlocks`] when the range passes the end of `block_ids` (both
-    /// ruled out by the checks above); [`Error::AlreadyHashed`] as in
-    /// [`Self::cache_full_blocks`]. Nothing changes on error.
-    pub fn cache_range(
+    /// In this order (the reference's): [`Error::UnknownBlock`] for any id in
+    /// `block_ids`; [`Error::Negative`] (`num_cached_blocks`, then `num_full_blocks`,
+    /// then `kv_cache_group_id`) and [`Error::InvalidArgument`] for a group id past
+    /// `u32::MAX`; [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`]; whatever
+    /// `new_hashes` returns; [`Error::AlreadyHashed`] for the first block in range that
+    /// has a hash or appears twice in the range. Nothing changes on error.
+    pub fn cache_full_blocks_with(
         &mut self,
         block_ids: &[i64],
-        num_cached: usize,
-        new_hashes: &[BlockHash],
-        group_id: u32,
-    ) -> Result<()> {
-        let too_many = || Error::TooManyFullBlocks {
-            num_full_blocks: num_cached.saturating_add(new_hashes.len()),
-            num_block_ids: block_ids.len(),
-        };
-        let num_full = num_cached
-            .checked_add(new_hashes.len())
-            .ok_or_else(too_many)?;
-        let range = block_ids.get(num_cached..num_full).ok_or_else(too_many)?;
-        self.check_ids(range)?;
-        let blocks: Vec<u32> = range
-            .iter()
-            .filter_map(|&id| u32::try_from(id).ok())
-            .collect();
-        self.cache_ids(&blocks, new_hashes, group_id)
-    }
-
-    /// The first checks of [`Self::cache_full_blocks`], which need no hashes: every id in
-    /// range, then both counts non-negative. Returns the counts. Lets a caller that
-    /// converts hashes lazily (the Python binding) validate in the same order.
-    ///
-    /// # Errors
-    /// [`Error::UnknownBlock`]; [`Error::Negative`] (`num_cached_blocks`, then
-    /// `num_full_blocks`).
-    pub fn check_cache_range(
-        &self,
-        block_ids: &[i64],
+        num_hashes: usize,
         num_cached_blocks: i64,
         num_full_blocks: i64,
-    ) -> Result<(usize, usize)> {
+        kv_cache_group_id: i64,
+        new_hashes: impl FnOnce(Range<usize>) -> Result<Vec<BlockHash>>,
+    ) -> Result<()> {
         self.check_ids(block_ids)?;
         let num_cached = non_negative("num_cached_blocks", num_cached_blocks)?;
         let num_full = non_negative("num_full_blocks", num_full_blocks)?;
-        Ok((num_cached, num_full))
-    }
-
-    /// The length checks of [`Self::cache_full_blocks`]: `num_full` blocks must exist in
-    /// the table and have hashes.
-    ///
-    /// # Errors
-    /// [`Error::TooManyFullBlocks`]; [`Error::TooFewHashes`].
-    pub fn check_cache_lengths(
-        num_block_ids: usize,
-        num_hashes: usize,
-        num_full: usize,
-    ) -> Result<()> {
-        if num_full > num_block_ids {
+        let group = group_id("kv_cache_group_id", kv_cache_group_id)?;
+        if num_full > block_ids.len() {
             return Err(Error::TooManyFullBlocks {
                 num_full_blocks: num_full,
-                num_block_ids,
+                num_block_ids: block_ids.len(),
             });
         }
         if num_hashes < num_full {
@@ -294,7 +252,22 @@ impl BlockPool {
                 got: num_hashes,
             });
         }
-        Ok(())
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        let hashes = new_hashes(num_cached..num_full)?;
+        if hashes.len() != num_full - num_cached {
+            return Err(Error::TooFewHashes {
+                needed: num_full,
+                got: num_cached + hashes.len(),
+            });
+        }
+        // Every id was checked above, so none is dropped here.
+        let blocks: Vec<u32> = block_ids[num_cached..num_full]
+            .iter()
+            .filter_map(|&id| u32::try_from(id).ok())
+            .collect();
+        self.cache_ids(&blocks, &hashes, group)
     }
 
     /// One block per group id cached under `block_hash` (the earliest-inserted one for

@@ -338,28 +338,45 @@ fn error_messages_match_the_catalogue() {
             .to_string(),
         "num_full_blocks 2 exceeds the 1 block ids given"
     );
-    // The caching step alone (callers that convert hashes lazily) checks its range.
+    // Callers that convert hashes lazily: every check runs before the hashes are asked
+    // for, and only the range to cache is asked for.
     let g = BlockHash::new(&[4; 32]).unwrap();
+    let unasked = |_: std::ops::Range<usize>| -> kvblocks_core::Result<Vec<BlockHash>> {
+        panic!("hashes asked for before the checks passed")
+    };
     assert_eq!(
-        pool.cache_range(&[1], 1, &[g], 0).unwrap_err().to_string(),
+        pool.cache_full_blocks_with(&[1], 2, 1, 2, 0, unasked)
+            .unwrap_err()
+            .to_string(),
         "num_full_blocks 2 exceeds the 1 block ids given"
     );
     assert_eq!(
-        pool.cache_range(&[1, 9], 1, &[g], 0)
+        pool.cache_full_blocks_with(&[1, 9], 2, 1, 2, 0, unasked)
             .unwrap_err()
             .to_string(),
         "block id 9 is out of range for a pool of 4 blocks"
     );
     assert_eq!(
-        pool.cache_range(&[1, 1], 0, &[g, g], 0)
+        pool.cache_full_blocks_with(&[1, 2], 2, 1, 2, 1 << 32, unasked)
             .unwrap_err()
             .to_string(),
+        "kv_cache_group_id must be at most 4294967295, got 4294967296"
+    );
+    let mut asked = None;
+    assert_eq!(
+        pool.cache_full_blocks_with(&[2, 1, 1], 3, 1, 3, 0, |range| {
+            asked = Some(range);
+            Ok(vec![g, g])
+        })
+        .unwrap_err()
+        .to_string(),
         "block 1 already has a hash"
     );
+    assert_eq!(asked, Some(1..3));
     assert_eq!(
         pool.num_cached_keys(),
         1,
-        "a failed cache_range changes nothing"
+        "a failed cache_full_blocks_with changes nothing"
     );
     assert_eq!(
         pool.block(7).unwrap_err().to_string(),

@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
 use pyo3::{ffi, Borrowed, PyTraverseError, PyVisit};
 
 use crate::convert::{int_column, type_name, Flag, Given, IntColumn};
-use crate::errors::IntoPyResult;
+use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
 /// A Python block hash as `bytes` (the type check alone).
@@ -194,19 +194,6 @@ fn exact_bytes<'a>(item: &'a Borrowed<'_, '_, PyAny>) -> &'a [u8] {
         ffi::PyBytes_AsStringAndSize(item.as_ptr(), &raw mut data, &raw mut len);
         std::slice::from_raw_parts(data.cast::<u8>(), usize::try_from(len).unwrap_or(0))
     }
-}
-
-/// Converts a group id, with the reference's messages for values outside `u32`.
-fn group_id(value: i64, name: &'static str) -> PyResult<u32> {
-    if value < 0 {
-        return Err(kvblocks_core::Error::Negative { name, value }).py();
-    }
-    u32::try_from(value).map_err(|_| {
-        pyo3::exceptions::PyValueError::new_err(format!(
-            "{name} must be at most {}, got {value}",
-            u32::MAX
-        ))
-    })
 }
 
 /// A read-only snapshot of one block, as returned by ``BlockPool.get_block``.
@@ -495,26 +482,28 @@ impl PyBlockPool {
         num_full_blocks: i64,
         kv_cache_group_id: i64,
     ) -> PyResult<()> {
-        // Validated in the reference's order: ids and counts, the group id, the lengths;
-        // only then are the hashes of the blocks to cache converted.
+        // The core checks everything in the reference's order, then asks for the
+        // hashes of the blocks to cache only (callers pass a request's whole hash list,
+        // as vLLM does).
         let py = block_ids.py();
         let ids = int_column(block_ids)?;
         let seq = HashSeq::collect(block_hashes)?;
-        let (num_cached, num_full) = self
-            .with(py, |p| {
-                p.check_cache_range(&ids, num_cached_blocks, num_full_blocks)
-            })?
-            .py()?;
-        let group = group_id(kv_cache_group_id, "kv_cache_group_id")?;
-        CorePool::check_cache_lengths(ids.len(), seq.len()?, num_full).py()?;
-        if num_cached >= num_full {
-            return Ok(());
-        }
-        // Only the hashes of the blocks to cache are read (callers pass a request's
-        // whole hash list, as vLLM does).
-        let new_hashes = seq.range(num_cached..num_full)?;
-        self.with_mut(py, |p| p.cache_range(&ids, num_cached, &new_hashes, group))?
-            .py()
+        let num_hashes = seq.len()?;
+        let error = StashedError::default();
+        let result = self.with_mut(py, |p| {
+            p.cache_full_blocks_with(
+                &ids,
+                num_hashes,
+                num_cached_blocks,
+                num_full_blocks,
+                kv_cache_group_id,
+                |range| {
+                    seq.range(range)
+                        .map_err(|err| error.keep(err, "block hash conversion"))
+                },
+            )
+        })?;
+        error.take().map_or_else(|| result.py(), Err)
     }
 
     /// Looks a block hash up in the prefix cache, one block per group.
@@ -548,7 +537,7 @@ impl PyBlockPool {
         };
         let groups = group_ids
             .iter()
-            .map(|&g| group_id(g, "kv_cache_group_ids"))
+            .map(|&g| kvblocks_core::error::group_id("kv_cache_group_ids", g).py())
             .collect::<PyResult<Vec<_>>>()?;
         self.with(block_hash.py(), |p| p.get_cached_block(&hash, &groups))
     }
@@ -575,7 +564,7 @@ impl PyBlockPool {
         block_hashes: &Bound<'_, PyAny>,
         kv_cache_group_id: i64,
     ) -> PyResult<Vec<u32>> {
-        let group = group_id(kv_cache_group_id, "kv_cache_group_id")?;
+        let group = kvblocks_core::error::group_id("kv_cache_group_id", kv_cache_group_id).py()?;
         let py = block_hashes.py();
         let is_list_or_tuple = block_hashes.is_exact_instance_of::<PyList>()
             || block_hashes.is_exact_instance_of::<PyTuple>();
