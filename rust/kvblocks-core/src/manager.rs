@@ -220,12 +220,7 @@ impl KVCacheManager {
         max_model_len: Option<i64>,
         log_stats: bool,
     ) -> Result<Self> {
-        if num_blocks <= 0 {
-            return Err(Error::NonPositive {
-                name: "num_blocks",
-                value: num_blocks,
-            });
-        }
+        positive("num_blocks", num_blocks)?;
         let block_size = positive("block_size", block_size)?;
         let max_model_len = max_model_len
             .map(|m| positive("max_model_len", m))

@@ -25,6 +25,8 @@
 //!   holds only blocks of its key, in insertion order;
 //! * the interner's count of a slot equals the number of cached blocks using it.
 
+use std::collections::hash_map::Entry as MapEntry;
+
 use rustc_hash::FxHashMap;
 
 use crate::block_hash::{map_heap_bytes, BlockHash, HashInterner, NO_TAG};
@@ -61,8 +63,6 @@ pub struct PrefixMap {
     interner: HashInterner,
     /// (slot, group) → first block, for groups other than 0 (whose heads are tags).
     other_heads: FxHashMap<(u32, u32), u32>,
-    /// Number of group-0 keys (slots with a tag).
-    num_group0_keys: usize,
     entries: Vec<Entry>,
     /// Number of cached blocks.
     num_cached: usize,
@@ -77,15 +77,15 @@ impl PrefixMap {
         Ok(Self {
             interner: HashInterner::new(),
             other_heads: FxHashMap::default(),
-            num_group0_keys: 0,
             entries: try_filled_vec(UNCACHED, ix(num_blocks))?,
             num_cached: 0,
         })
     }
 
-    /// The number of distinct (hash, group) keys.
+    /// The number of distinct (hash, group) keys. Counts the group-0 heads, so it walks
+    /// the interner (for tests and diagnostics, not hot paths).
     pub fn num_keys(&self) -> usize {
-        self.num_group0_keys + self.other_heads.len()
+        self.interner.tags().count() + self.other_heads.len()
     }
 
     /// The number of cached blocks (duplicates counted).
@@ -116,22 +116,18 @@ impl PrefixMap {
 
     /// Makes `block` the first block of an existing key, or of a new one.
     fn set_head(&mut self, slot: u32, group: u32, block: u32) {
-        if group != 0 {
+        if group == 0 {
+            self.interner.set_tag(slot, block);
+        } else {
             self.other_heads.insert((slot, group), block);
-            return;
         }
-        if self.interner.tag(slot) == NO_TAG {
-            self.num_group0_keys += 1;
-        }
-        self.interner.set_tag(slot, block);
     }
 
     fn remove_head(&mut self, slot: u32, group: u32) {
-        if group != 0 {
-            self.other_heads.remove(&(slot, group));
-        } else if self.interner.tag(slot) != NO_TAG {
+        if group == 0 {
             self.interner.set_tag(slot, NO_TAG);
-            self.num_group0_keys -= 1;
+        } else {
+            self.other_heads.remove(&(slot, group));
         }
     }
 
@@ -149,18 +145,18 @@ impl PrefixMap {
             let Some((slot, head)) = self.interner.intern_tagged(hash, block) else {
                 return false;
             };
-            if head == NO_TAG {
-                self.num_group0_keys += 1;
-            }
             (slot, Some(head).filter(|&h| h != NO_TAG))
         } else {
             let Some(slot) = self.interner.intern(hash) else {
                 return false;
             };
-            let head = self.head(slot, group);
-            if head.is_none() {
-                self.set_head(slot, group, block);
-            }
+            let head = match self.other_heads.entry((slot, group)) {
+                MapEntry::Occupied(head) => Some(*head.get()),
+                MapEntry::Vacant(place) => {
+                    place.insert(block);
+                    None
+                }
+            };
             (slot, head)
         };
         let prev = match head {
@@ -245,7 +241,6 @@ impl PrefixMap {
     pub fn clear(&mut self) {
         self.interner.clear();
         self.other_heads.clear();
-        self.num_group0_keys = 0;
         self.entries.fill(UNCACHED);
         self.num_cached = 0;
     }
@@ -297,13 +292,6 @@ impl PrefixMap {
                     self.interner.count(slot)
                 ));
             }
-        }
-        let group0_keys = self.interner.tags().count();
-        if group0_keys != self.num_group0_keys {
-            return Err(format!(
-                "{group0_keys} group-0 keys are present but the count says {}",
-                self.num_group0_keys
-            ));
         }
         let heads = self
             .interner

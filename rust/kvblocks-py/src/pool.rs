@@ -362,13 +362,7 @@ impl PyBlockPool {
     )]
     fn new(num_blocks: i64, enable_caching: Flag, block_size: i64) -> PyResult<Self> {
         let Flag(enable_caching) = enable_caching;
-        if block_size <= 0 {
-            return Err(kvblocks_core::Error::NonPositive {
-                name: "block_size",
-                value: block_size,
-            })
-            .py();
-        }
+        kvblocks_core::error::positive("block_size", block_size).py()?;
         Ok(Self {
             source: PoolSource::Own(CorePool::new(num_blocks, enable_caching).py()?),
             block_size,

@@ -425,8 +425,7 @@ fn validate<B: BlockTable>(
     invalid_block_ids: &[i64],
     block_size: i64,
 ) -> Result<u64> {
-    positive("block_size", block_size)?;
-    let block_size_u64 = block_size.unsigned_abs();
+    let block_size_u64 = positive("block_size", block_size)? as u64;
     let (n_tables, n_computed, n_scheduled) = (
         batch.block_tables.len(),
         batch.num_computed_tokens.len(),
