@@ -8,7 +8,7 @@
 //! Identity tags play no part: CBOR has no memo.
 
 use super::value::{BigInt, Value};
-use super::{Cursor, WordLen};
+use super::{append_words, Cursor, WordLen, PLAIN_OVERHEAD};
 
 const UNSIGNED: u8 = 0;
 const NEGATIVE: u8 = 1;
@@ -58,10 +58,6 @@ pub fn dumps_block(out: &mut Vec<u8>, parent: &[u8], tokens: &[i64], extra: Opti
     }
 }
 
-/// Room [`write_plain_block`] needs beyond the parent and five bytes a token: the
-/// heads, `None`, and the slack of the last token's 8-byte store.
-pub(super) const PLAIN_OVERHEAD: usize = 32;
-
 /// Where [`write_plain_block`] puts the bytes of a parent of `parent_len` bytes.
 pub(super) fn plain_parent_offset(parent_len: usize) -> usize {
     // The array head, then the byte string's head.
@@ -83,7 +79,7 @@ pub(super) fn write_plain_block(out: &mut [u8], parent: &[u8], tokens: &[i64]) -
     w.put(parent);
     let (array_head, len) = head(ARRAY, tokens.len() as u64);
     w.put(&array_head[..len]);
-    w.put_words(tokens, u32_word);
+    w.put_words(tokens, u32_word)?;
     w.put(&[NULL]);
     Some(w.pos())
 }
@@ -128,12 +124,7 @@ fn write_u32_ints(out: &mut Vec<u8>, tokens: &[i64]) -> bool {
     if !all_fit_u32(tokens) {
         return false;
     }
-    let start = out.len();
-    out.resize(start + tokens.len() * 5 + 3, 0);
-    let mut w = Cursor::new(out.get_mut(start..).unwrap_or_default());
-    w.put_words(tokens, u32_word);
-    let end = start + w.pos();
-    out.truncate(end);
+    append_words(out, tokens, u32_word);
     true
 }
 

@@ -25,7 +25,7 @@
 use rustc_hash::FxHashMap;
 
 use super::value::{ObjectId, Value};
-use super::{Cursor, WordLen};
+use super::{append_words, Cursor, WordLen, PLAIN_OVERHEAD};
 
 const PROTO: u8 = 0x80;
 const FRAME: u8 = 0x95;
@@ -132,9 +132,6 @@ pub fn dumps_block(
     p.finish();
 }
 
-/// Room [`write_plain_block`] needs beyond the parent and five bytes a token: the
-/// fixed opcodes around them and the slack of the last token's 8-byte store.
-pub(super) const PLAIN_OVERHEAD: usize = 32;
 /// The most tokens [`write_plain_block`] takes. With at most 5 bytes a token and a
 /// parent of at most 255 bytes the whole pickle stays well under 64 KiB, so its one
 /// frame is never committed early and the bytes follow a fixed layout.
@@ -188,7 +185,7 @@ pub(super) fn write_plain_block(out: &mut [u8], parent: &[u8], tokens: &[i64]) -
             if n > 3 {
                 w.put(&[MARK]);
             }
-            w.put_words(tokens, i32_word);
+            w.put_words(tokens, i32_word)?;
             w.put(&[match n {
                 1 => TUPLE1,
                 2 => TUPLE2,
@@ -453,12 +450,7 @@ fn write_i32_ints(out: &mut Vec<u8>, tokens: &[i64]) -> bool {
     if !all_fit_i32(tokens) {
         return false;
     }
-    let start = out.len();
-    out.resize(start + tokens.len() * 5 + 3, 0);
-    let mut w = Cursor::new(out.get_mut(start..).unwrap_or_default());
-    w.put_words(tokens, i32_word);
-    let end = start + w.pos();
-    out.truncate(end);
+    append_words(out, tokens, i32_word);
     true
 }
 
