@@ -301,10 +301,20 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
 pub struct InvalidBlocksOutcome {
     /// The async pass over the requests waiting for remote KVs (no evictions collected).
     pub waiting: Rollback,
-    /// The sync pass over the running requests.
+    /// The sync pass over the running requests (evictions collected when
+    /// [`evicts`] says the outcome has any).
     pub running: Rollback,
+    /// What happens to the affected requests; the verdict views below read it.
     pub policy: Policy,
+    /// The rollback semantics both passes ran with.
     pub mode: Mode,
+}
+
+/// Whether an outcome under `policy` and `mode` evicts blocks: `fail` evicts the
+/// invalid blocks' holders' tails, and so does `strict`; `recompute` in `vllm` mode
+/// keeps the hashes, as vLLM.
+const fn evicts(policy: Policy, mode: Mode) -> bool {
+    matches!(policy, Policy::Fail) || matches!(mode, Mode::Strict)
 }
 
 impl InvalidBlocksOutcome {
@@ -341,7 +351,7 @@ impl InvalidBlocksOutcome {
     /// none in vLLM mode (the blocks keep their hashes and are rewritten in place) and
     /// the sync pass's in strict mode (no stale block stays reachable meanwhile).
     pub fn evicted_block_ids(&self) -> &[i64] {
-        if self.policy == Policy::Fail || self.mode == Mode::Strict {
+        if evicts(self.policy, self.mode) {
             &self.running.blocks_to_evict
         } else {
             &[]
@@ -409,7 +419,8 @@ pub fn handle_invalid_blocks<W: BlockTable, R: BlockTable>(
 ) -> Result<InvalidBlocksOutcome> {
     check_single_group(num_kv_cache_groups)?;
     let waiting = rollback_invalid_blocks(waiting, invalid_block_ids, block_size, false, mode)?;
-    let running = rollback_invalid_blocks(running, invalid_block_ids, block_size, true, mode)?;
+    let collect = evicts(policy, mode);
+    let running = rollback_invalid_blocks(running, invalid_block_ids, block_size, collect, mode)?;
     Ok(InvalidBlocksOutcome {
         waiting,
         running,
