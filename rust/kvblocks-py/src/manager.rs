@@ -321,11 +321,7 @@ impl PyKVCacheManager {
         )?;
         // A collection inside `Py::new` may run Python code that got here first: the
         // view handed out is whichever was stored.
-        let _ = this.pool_view.set(view.clone_ref(py));
-        Ok(this
-            .pool_view
-            .get()
-            .map_or(view.clone_ref(py), |stored| stored.clone_ref(py)))
+        Ok(this.pool_view.get_or_init(|| view).clone_ref(py))
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

@@ -104,6 +104,12 @@ impl<'py> HashSeq<'py> {
         Self { seq, kind }
     }
 
+    /// `obj` read by index when it is an exact list or tuple; `None` otherwise.
+    fn list_or_tuple(obj: &Bound<'py, PyAny>) -> Option<Self> {
+        let seq = Self::new(obj.cast::<PySequence>().ok()?.clone());
+        (!matches!(seq.kind, SeqKind::Other)).then_some(seq)
+    }
+
     /// `obj` when it is a sequence, else its items collected into a list.
     fn collect(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         Ok(Self::new(hash_sequence(obj)?))
@@ -560,10 +566,7 @@ impl PyBlockPool {
     ) -> PyResult<Vec<u32>> {
         let group = kvblocks_core::error::group_id("kv_cache_group_id", kv_cache_group_id).py()?;
         let py = block_hashes.py();
-        let is_list_or_tuple = block_hashes.is_exact_instance_of::<PyList>()
-            || block_hashes.is_exact_instance_of::<PyTuple>();
-        if is_list_or_tuple {
-            let seq = HashSeq::new(block_hashes.cast::<PySequence>()?.clone());
+        if let Some(seq) = HashSeq::list_or_tuple(block_hashes) {
             let hashes = (0..seq.len()?).map(|i| seq.get(i));
             return self.with(py, |p| p.find_longest_cache_hit(hashes, group))?;
         }

@@ -287,6 +287,14 @@ pub fn rollback_invalid_blocks(
         .map(PyRollbackResult::from)
 }
 
+/// The error for a request given twice in one call (its id shown as Python's `repr`).
+fn appears_twice(request_id: &Bound<'_, PyAny>) -> PyErr {
+    match request_id.repr() {
+        Ok(id) => PyValueError::new_err(format!("request {id} appears more than once")),
+        Err(err) => err,
+    }
+}
+
 /// The requests of one pass, as the columns the core reads.
 struct RequestColumns<'py> {
     requests: Vec<Bound<'py, PyAny>>,
@@ -324,14 +332,11 @@ impl<'py> RequestColumns<'py> {
         Ok(cols)
     }
 
-    /// A request may appear once in a call, as in vLLM's scheduler.
+    /// A request may appear once in a call, as in vLLM's scheduler ([`appears_twice`]).
     fn check_unique<'a>(&'a self, seen: &mut HashSet<&'a str>) -> PyResult<()> {
         for (id, request) in self.ids.iter().zip(&self.requests) {
             if !seen.insert(id) {
-                let id_repr = request.getattr("request_id")?.repr()?;
-                return Err(PyValueError::new_err(format!(
-                    "request {id_repr} appears more than once"
-                )));
+                return Err(appears_twice(&request.getattr("request_id")?));
             }
         }
         Ok(())
@@ -642,10 +647,7 @@ pub fn handle_failed_recving(
     let seen = PySet::empty(py)?;
     for id in &ids {
         if seen.contains(id)? {
-            return Err(PyValueError::new_err(format!(
-                "request {} appears more than once",
-                id.repr()?
-            )));
+            return Err(appears_twice(id));
         }
         seen.add(id)?;
     }
