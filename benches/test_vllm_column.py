@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from kvblocks import load_backend
 from kvblocks.bench import vllm_runner
-from kvblocks.bench.workloads import _churn_run, _churn_script, _rollback_input
+from kvblocks.bench.workloads import _churn_run, _churn_script, _rollback_input, churn_loop
 
 pytest.importorskip("vllm")
 
@@ -25,12 +25,10 @@ def test_pool_churn_matches_reference() -> None:
     script = _churn_script(num_blocks=4_096, num_steps=2_000, seed=0)
     pool = reference.BlockPool(script.num_blocks)
     expected = _churn_run(script)(reference, pool)
-    state = vllm_runner.setup_pool_churn(script.num_blocks)
-    live, allocated = vllm_runner.pool_churn_outcome(
-        vllm_runner.run_pool_churn(state, script.steps)
-    )
+    vllm_pool = vllm_runner.setup_pool_churn(script.num_blocks)
+    live, allocated = vllm_runner.pool_churn_outcome(churn_loop(script.steps, vllm_pool))
     assert (live, allocated) == (expected[0], expected[1])
-    assert state.pool.get_num_free_blocks() == pool.get_num_free_blocks()
+    assert vllm_pool.get_num_free_blocks() == pool.get_num_free_blocks()
 
 
 def test_rollback_matches_reference() -> None:

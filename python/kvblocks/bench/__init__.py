@@ -1,7 +1,9 @@
 """``kvblocks bench``: every workload on both backends, side by side, in one process.
 
-Both backends run each workload in the same process, interleaved round by round, so a
-noisy machine slows both alike and the ratio (reference time / native time) holds.
+Both backends (and vLLM's own code, when it is installed and the workload has a
+counterpart) run each workload in the same process, interleaved round by round, so a
+noisy machine slows them alike and the ratios (reference or vLLM time / native time)
+hold.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def run(
     rounds: int,
     progress: TextIO | None = sys.stderr,
 ) -> list[BenchResult]:
-    """Times every workload on both backends, ``rounds`` times each, interleaved.
+    """Times every workload on both backends (and vLLM), ``rounds`` times each, interleaved.
 
     Each workload is built right before its rounds and dropped after them, so only its
     own data is in memory while it is measured.
@@ -138,7 +140,8 @@ def run(
                 _progress(i * rounds + r, total, workload.name, progress)
             for name, backend in backends.items():
                 times[name].append(_time_once(workload, backend))
-            if with_vllm and workload.vllm_setup and workload.vllm_run and vllm_error is None:
+            if with_vllm and workload.has_vllm and vllm_error is None:
+                assert workload.vllm_setup is not None and workload.vllm_run is not None
                 try:
                     # Its results are checked against the reference's in
                     # benches/test_vllm_column.py.
@@ -156,7 +159,7 @@ def run(
                 times["python"],
                 times["rust"],
                 times["vllm"],
-                has_vllm=workload.vllm_setup is not None and workload.vllm_run is not None,
+                has_vllm=workload.has_vllm,
                 vllm_error=vllm_error,
             )
         )
@@ -172,7 +175,7 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
     """The results as a Markdown table, with the vLLM column and its footnote."""
     lines = [
         "| workload | what | reference per op | native per op | native speed-up "
-        "| vLLM 0.33.0 per op (native speed-up) |",
+        f"| vLLM {vllm_runner.column_version()} per op (native speed-up) |",
         "|---|---|---:|---:|---:|---|",
     ]
     absent = False

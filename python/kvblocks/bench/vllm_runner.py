@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "PoolChurnState",
+    "ChurnPool",
     "RollbackState",
     "available",
+    "column_version",
     "pool_churn_outcome",
     "rollback_outcome",
-    "run_pool_churn",
     "run_rollback",
     "setup_pool_churn",
     "setup_rollback",
@@ -40,9 +40,6 @@ __all__ = [
 
 #: The vLLM release the column was written against.
 VLLM_VERSION = "0.33.0"
-
-#: Tokens per block in the pool-churn workload (vLLM's default block size).
-CHURN_BLOCK_SIZE = 16
 
 _BLOCK_POOL = "vllm.v1.core.block_pool"
 _MANAGERS = "vllm.v1.core.single_type_kv_cache_manager"
@@ -79,6 +76,12 @@ def status() -> str:
     return _probe()[1]
 
 
+def column_version() -> str:
+    """The vLLM version the column shows: the installed one when it runs, else the one
+    it was written against (:data:`VLLM_VERSION`)."""
+    return status().removeprefix("vLLM ") if available() else VLLM_VERSION
+
+
 def available() -> bool:
     """Whether the vLLM column can run (see :func:`status`).
 
@@ -100,33 +103,76 @@ class _HashedRequest:
         self.block_hashes = block_hashes
 
 
-@dataclass(frozen=True, slots=True)
-class PoolChurnState:
-    """A fresh vLLM pool and what the lookup needs, built outside the timed region.
+class ChurnPool:
+    """vLLM's ``BlockPool`` behind the calls the churn script makes on a kvblocks
+    ``BlockPool``, so that one loop (``workloads.churn_loop``) drives all three.
+
+    ``get_num_free_blocks``, ``touch``, ``get_new_blocks`` and ``free_blocks`` are vLLM's
+    own bound methods. The lookup is ``FullAttentionManager.find_longest_cache_hit`` as
+    ``UnitaryKVCacheCoordinator`` calls it for one group (what
+    ``KVCacheManager.get_computed_blocks`` runs), and caching passes a request that
+    carries the block hashes, as ``SingleTypeKVCacheManager.cache_blocks`` does.
 
     Attributes:
-        pool: ``vllm.v1.core.block_pool.BlockPool`` with prefix caching on.
-        spec: The ``FullAttentionSpec`` of the single KV cache group.
-        find_longest_cache_hit: ``FullAttentionManager.find_longest_cache_hit``.
-        block_size: Tokens per block.
+        pool: The ``vllm.v1.core.block_pool.BlockPool``, prefix caching on.
     """
 
-    pool: Any
-    spec: Any
-    find_longest_cache_hit: Any
-    block_size: int
+    __slots__ = (
+        "_block_size",
+        "_find",
+        "_group_ids",
+        "_spec",
+        "free_blocks",
+        "get_new_blocks",
+        "get_num_free_blocks",
+        "pool",
+        "touch",
+    )
+
+    def __init__(self, pool: Any, spec: Any, find: Any, block_size: int) -> None:
+        self.pool = pool
+        self._spec = spec
+        self._find = find
+        self._block_size = block_size
+        self._group_ids = [0]
+        self.get_num_free_blocks = pool.get_num_free_blocks
+        self.touch = pool.touch
+        self.get_new_blocks = pool.get_new_blocks
+        self.free_blocks = pool.free_blocks
+
+    def find_longest_cache_hit(self, prefix: list[bytes]) -> list[Any]:
+        """The cached blocks of the longest cached prefix of ``prefix``."""
+        (hits,), _ = self._find(
+            block_hashes=prefix,
+            max_length=len(prefix) * self._block_size,
+            kv_cache_group_ids=self._group_ids,
+            block_pool=self.pool,
+            kv_cache_spec=self._spec,
+            drop_eagle_block=False,
+            alignment_tokens=self._block_size,
+        )
+        return hits  # type: ignore[no-any-return]
+
+    def cache_full_blocks(
+        self, blocks: list[Any], chain: list[bytes], num_cached: int, num_full: int
+    ) -> None:
+        """Caches ``blocks[num_cached:num_full]`` under the hashes of ``chain``."""
+        self.pool.cache_full_blocks(
+            _HashedRequest(chain), blocks, num_cached, num_full, self._block_size, 0
+        )
 
 
-def setup_pool_churn(num_blocks: int, block_size: int = CHURN_BLOCK_SIZE) -> PoolChurnState:
-    """Builds a vLLM ``BlockPool`` of ``num_blocks`` blocks (block 0 is the null block).
+def setup_pool_churn(num_blocks: int) -> ChurnPool:
+    """Builds a vLLM ``BlockPool`` of ``num_blocks`` blocks (block 0 is the null block),
+    16 tokens a block (vLLM's default), behind :class:`ChurnPool`.
 
     Args:
         num_blocks: Blocks in the pool, the null block included (as kvblocks counts).
-        block_size: Tokens per block; also the hash block size.
 
     Returns:
-        The state :func:`run_pool_churn` drives.
+        The pool, for ``workloads.churn_loop``.
     """
+    block_size = 16
     block_pool = importlib.import_module(_BLOCK_POOL)
     managers = importlib.import_module(_MANAGERS)
     specs = importlib.import_module(_SPECS)
@@ -137,65 +183,15 @@ def setup_pool_churn(num_blocks: int, block_size: int = CHURN_BLOCK_SIZE) -> Poo
     spec = specs.FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16
     )
-    return PoolChurnState(
-        pool, spec, managers.FullAttentionManager.find_longest_cache_hit, block_size
-    )
-
-
-def run_pool_churn(
-    state: PoolChurnState, steps: Sequence[tuple[list[bytes], int, list[bytes], int]]
-) -> tuple[list[list[Any]], int]:
-    """The pool-churn loop of ``workloads._churn_run`` on vLLM's ``BlockPool``.
-
-    Args:
-        state: From :func:`setup_pool_churn`; the pool is mutated.
-        steps: The script's steps: ``(hash chain, blocks to allocate, lookup prefix,
-            victim draw)``; a step with 0 blocks frees the live request the draw picks.
-
-    Returns:
-        ``(live block tables of KVCacheBlock objects, blocks allocated)``; see
-        :func:`pool_churn_outcome` to compare them with the kvblocks backends'.
-    """
-    pool = state.pool
-    spec = state.spec
-    find = state.find_longest_cache_hit
-    block_size = state.block_size
-    group_ids = [0]
-    live: list[list[Any]] = []
-    allocated = 0
-    for chain, num_blocks, prefix, victim in steps:
-        if num_blocks == 0 or pool.get_num_free_blocks() < num_blocks:
-            if live:
-                i = victim % len(live)
-                blocks = live[i]
-                live[i] = live[-1]
-                live.pop()
-                # SingleTypeKVCacheManager.free: tail blocks first.
-                pool.free_blocks(reversed(blocks))
-            continue
-        # UnitaryKVCacheCoordinator.find_longest_cache_hit's call, one group.
-        (hits,), _ = find(
-            block_hashes=prefix,
-            max_length=len(prefix) * block_size,
-            kv_cache_group_ids=group_ids,
-            block_pool=pool,
-            kv_cache_spec=spec,
-            drop_eagle_block=False,
-            alignment_tokens=block_size,
-        )
-        pool.touch(hits)
-        blocks = hits + pool.get_new_blocks(num_blocks - len(hits))
-        pool.cache_full_blocks(_HashedRequest(chain), blocks, len(hits), num_blocks, block_size, 0)
-        live.append(blocks)
-        allocated += num_blocks - len(hits)
-    return live, allocated
+    return ChurnPool(pool, spec, managers.FullAttentionManager.find_longest_cache_hit, block_size)
 
 
 def pool_churn_outcome(result: tuple[list[list[Any]], int]) -> tuple[list[list[int]], int]:
-    """:func:`run_pool_churn`'s result with block ids for blocks, outside the timing.
+    """``churn_loop``'s result on a :class:`ChurnPool` with block ids for blocks,
+    outside the timing.
 
     Args:
-        result: What :func:`run_pool_churn` returned.
+        result: ``(live block tables of KVCacheBlock objects, blocks allocated)``.
 
     Returns:
         ``(live block tables as ids, blocks allocated)``, which equal the result of the
@@ -252,7 +248,6 @@ class RollbackState:
         invalid_block_ids: As vLLM receives them from the KV connector (a set).
         num_scheduled_tokens: Request id to tokens scheduled this step (scheduled
             requests only, as in ``SchedulerOutput``).
-        evict_blocks: Whether the method collects blocks to evict.
     """
 
     method: Any
@@ -260,7 +255,6 @@ class RollbackState:
     requests: list[_RunningRequest]
     invalid_block_ids: set[int]
     num_scheduled_tokens: dict[str, int]
-    evict_blocks: bool
 
 
 def setup_rollback(
@@ -269,8 +263,6 @@ def setup_rollback(
     num_scheduled_tokens: Sequence[int],
     invalid_block_ids: Sequence[int],
     block_size: int,
-    *,
-    evict_blocks: bool = True,
 ) -> RollbackState:
     """Builds the stand-in scheduler and requests for one rollback run.
 
@@ -280,7 +272,6 @@ def setup_rollback(
         num_scheduled_tokens: Tokens scheduled for each request this step (0: none).
         invalid_block_ids: Block ids whose KV failed to load.
         block_size: Tokens per block.
-        evict_blocks: Passed to the method (True for running requests).
 
     Returns:
         The state :func:`run_rollback` runs; its requests are fresh, so build one per
@@ -297,12 +288,12 @@ def setup_rollback(
         requests,
         set(invalid_block_ids),
         scheduled,
-        evict_blocks,
     )
 
 
 def run_rollback(state: RollbackState) -> tuple[set[str], int, set[int]]:
-    """Runs vLLM's ``Scheduler._update_requests_with_invalid_blocks`` once.
+    """Runs vLLM's ``Scheduler._update_requests_with_invalid_blocks`` once, collecting
+    blocks to evict (as for running requests).
 
     Args:
         state: From :func:`setup_rollback`; its requests are updated in place.
@@ -315,7 +306,7 @@ def run_rollback(state: RollbackState) -> tuple[set[str], int, set[int]]:
         state.requests,
         state.invalid_block_ids,
         state.num_scheduled_tokens,
-        evict_blocks=state.evict_blocks,
+        evict_blocks=True,
     )
     return result
 

@@ -8,6 +8,7 @@ so both backends replay the very same calls and must produce the very same resul
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 from kvblocks.bench import vllm_runner
 from kvblocks.reference.hashing import HASH_FUNCTIONS
 
-__all__ = ["ALGOS", "Workload", "WorkloadSpec", "all_workloads"]
+__all__ = ["ALGOS", "Workload", "WorkloadSpec", "all_workloads", "churn_loop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +51,24 @@ class Workload:
     vllm_setup: Callable[[], Any] | None = None
     vllm_run: Callable[[Any], Any] | None = None
 
+    @property
+    def has_vllm(self) -> bool:
+        """Whether the workload also runs on vLLM's own code."""
+        return self.vllm_setup is not None and self.vllm_run is not None
+
 
 # --------------------------------------------------------------------------- pool churn
+
+
+#: One step: (hash chain, blocks to allocate, lookup prefix, victim draw). A step with 0
+#: blocks frees the live request picked by the victim draw.
+_ChurnStep = tuple[list[bytes], int, list[bytes], int]
 
 
 @dataclass(frozen=True, slots=True)
 class _ChurnScript:
     num_blocks: int
-    # Per step: (hash chain, blocks to allocate, lookup prefix, victim draw). A step with
-    # 0 blocks frees the live request picked by the victim draw.
-    steps: list[tuple[list[bytes], int, list[bytes], int]]
+    steps: list[_ChurnStep]
 
 
 def _churn_script(num_blocks: int, num_steps: int, seed: int) -> _ChurnScript:
@@ -72,7 +81,7 @@ def _churn_script(num_blocks: int, num_steps: int, seed: int) -> _ChurnScript:
     """
     rng = random.Random(seed)
     families = [[rng.randbytes(32) for _ in range(32)] for _ in range(32)]
-    steps: list[tuple[list[bytes], int, list[bytes], int]] = []
+    steps: list[_ChurnStep] = []
     for _ in range(num_steps):
         if rng.random() < 0.55:
             shared = families[rng.randrange(len(families))][: rng.randint(0, 32)]
@@ -90,27 +99,37 @@ def _churn_setup(script: _ChurnScript) -> Callable[[ModuleType], Any]:
     return setup
 
 
+def churn_loop(steps: Sequence[_ChurnStep], pool: Any) -> tuple[list[list[Any]], int]:
+    """The churn script on a pool with kvblocks' ``BlockPool`` calls: either backend's,
+    or vLLM's behind :class:`kvblocks.bench.vllm_runner.ChurnPool`.
+
+    Returns:
+        ``(live block tables, blocks allocated)``.
+    """
+    live: list[list[Any]] = []
+    allocated = 0
+    for chain, num_blocks, prefix, victim in steps:
+        if num_blocks == 0 or pool.get_num_free_blocks() < num_blocks:
+            if live:
+                # Swap-remove a random live request and free it tail first.
+                i = victim % len(live)
+                table = live[i]
+                live[i] = live[-1]
+                live.pop()
+                pool.free_blocks(table[::-1])
+            continue
+        hits = pool.find_longest_cache_hit(prefix)
+        pool.touch(hits)
+        table = hits + pool.get_new_blocks(num_blocks - len(hits))
+        pool.cache_full_blocks(table, chain, len(hits), num_blocks)
+        live.append(table)
+        allocated += num_blocks - len(hits)
+    return live, allocated
+
+
 def _churn_run(script: _ChurnScript) -> Callable[[ModuleType, Any], Any]:
     def run(backend: ModuleType, pool: Any) -> Any:
-        live: list[list[int]] = []
-        allocated = 0
-        for chain, num_blocks, prefix, victim in script.steps:
-            if num_blocks == 0 or pool.get_num_free_blocks() < num_blocks:
-                if live:
-                    # Swap-remove a random live request and free it tail first.
-                    i = victim % len(live)
-                    table = live[i]
-                    live[i] = live[-1]
-                    live.pop()
-                    pool.free_blocks(table[::-1])
-                continue
-            hits = pool.find_longest_cache_hit(prefix)
-            pool.touch(hits)
-            table = hits + pool.get_new_blocks(num_blocks - len(hits))
-            pool.cache_full_blocks(table, chain, len(hits), num_blocks)
-            live.append(table)
-            allocated += num_blocks - len(hits)
-        return live, allocated
+        return churn_loop(script.steps, pool)
 
     return run
 
@@ -177,23 +196,27 @@ def _chat_script(
 
 
 def _chat_run(script: _ChatScript, event_mode: str) -> Callable[[ModuleType, Any], Any]:
+    # Imports and the encoder are set up here, when the workload is built, not timed.
+    encode: Callable[[list[Any]], Any] | None = None
+    if event_mode == "on+encode":
+        import msgspec
+
+        from kvblocks.events import KVEventBatch
+
+        encoder = msgspec.msgpack.Encoder()
+
+        def encode(events: list[Any]) -> None:
+            encoder.encode(KVEventBatch(ts=0.0, events=events))
+
+    events_on = event_mode != "off"
+
     def run(backend: ModuleType, state: Any) -> Any:
         manager, hasher = state
-        encode = None
-        if event_mode == "on+encode":
-            import msgspec
-
-            from kvblocks.events import KVEventBatch
-
-            encoder = msgspec.msgpack.Encoder()
-
-            def encode(events: list[Any]) -> None:
-                encoder.encode(KVEventBatch(ts=0.0, events=events))
-
         live: dict[int, Any] = {}
         turns: dict[int, int] = {}
         rejected = num_events = 0
-        for i, (kind, session, payload) in enumerate(script.events):
+        countdown = _EVENT_STEP
+        for kind, session, payload in script.events:
             if kind == _ADMIT:
                 turn = turns[session] = turns.get(session, 0) + 1
                 request = backend.Request(f"s{session}-{turn}", payload, block_hasher=hasher)
@@ -214,7 +237,11 @@ def _chat_run(script: _ChatScript, event_mode: str) -> Callable[[ModuleType, Any
                 request = live.pop(session, None)
                 if request is not None:
                     manager.free(request)
-            if event_mode != "off" and i % _EVENT_STEP == _EVENT_STEP - 1:
+            if events_on:
+                countdown -= 1
+                if countdown:
+                    continue
+                countdown = _EVENT_STEP
                 events = manager.take_events()
                 num_events += len(events)
                 if encode is not None:
@@ -504,20 +531,9 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
 ALGOS = tuple(HASH_FUNCTIONS)
 
 
-def _events_available() -> bool:
-    try:
-        import msgspec  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _numpy_available() -> bool:
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _importable(module: str) -> bool:
+    """Whether an optional dependency (``numpy``, ``msgspec``) is installed."""
+    return importlib.util.find_spec(module) is not None
 
 
 def pool_churn(num_blocks: int = 65_536, num_steps: int = 3_000, seed: int = 0) -> Workload:
@@ -533,7 +549,7 @@ def pool_churn(num_blocks: int = 65_536, num_steps: int = 3_000, seed: int = 0) 
         run=_churn_run(script),
         check=_churn_check,
         vllm_setup=lambda: vllm_runner.setup_pool_churn(num_blocks),
-        vllm_run=lambda state: vllm_runner.run_pool_churn(state, script.steps),
+        vllm_run=lambda pool: churn_loop(script.steps, pool),
     )
 
 
@@ -571,11 +587,11 @@ def _spec(
 def all_workloads(quick: bool = False) -> list[WorkloadSpec]:
     """Every workload, in report order, not built yet. ``quick`` shrinks the slow ones."""
     scaling: Sequence[int] = (4_096, 1_048_576) if quick else (4_096, 262_144, 1_048_576)
-    native_input = "numpy" if _numpy_available() else "lists"
+    native_input = "numpy" if _importable("numpy") else "lists"
     out = [_spec("pool_churn_65536", pool_churn)]
     out += [_spec(f"pool_churn_{n}", pool_churn, n, num_steps=2_000) for n in scaling]
     out.append(_spec("manager_chat", manager_chat, num_sessions=64 if quick else 256))
-    if _events_available():
+    if _importable("msgspec"):
         # A pool small enough that cached blocks are reallocated (BlockRemoved events).
         sessions = 32 if quick else 128
         out += [
