@@ -128,6 +128,8 @@ pub struct RequestView<'a, H: ?Sized> {
 
 /// The optional arguments of [`KVCacheManager::allocate_slots`], vLLM's defaults
 /// being `Default::default()` (with `num_new_tokens` set by the caller).
+// One field per keyword argument of vLLM's `allocate_slots`, flags included.
+#[allow(clippy::struct_excessive_bools)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SlotRequest<'a> {
     /// Tokens to compute in this step.
@@ -142,6 +144,27 @@ pub struct SlotRequest<'a> {
     pub num_external_computed_tokens: i64,
     /// Skip caching the full blocks (an asynchronous KV load is pending).
     pub delay_cache_blocks: bool,
+    /// Admit only if the request's whole sequence (capped at `max_model_len`) fits
+    /// in the free blocks (vLLM's admission gate, on by default in its scheduler).
+    pub full_sequence_must_fit: bool,
+    /// Free blocks to leave to other in-flight sequences.
+    pub reserved_blocks: i64,
+    /// Whether other requests are already scheduled in this step.
+    pub has_scheduled_reqs: bool,
+    /// Whether the request is being admitted (vLLM status `WAITING` or `PREEMPTED`).
+    /// The watermark applies only to admissions while others are scheduled.
+    pub admitting: bool,
+}
+
+/// How a request's prefix-cache lookup is bounded (vLLM's `get_computed_blocks`
+/// arguments and the request's `skip_reading_prefix_cache`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Lookup {
+    /// The longest hit in tokens; `None` for `num_tokens - 1` (the last token is
+    /// always recomputed).
+    pub max_cache_hit_length: Option<i64>,
+    /// The request may not read the prefix cache (prompt logprobs, some poolings).
+    pub skip_reading_prefix_cache: bool,
 }
 
 /// Prefix-cache counters since the last [`KVCacheManager::make_prefix_cache_stats`].
@@ -149,12 +172,18 @@ pub struct SlotRequest<'a> {
 pub struct PrefixCacheStats {
     /// Whether the prefix cache was reset meanwhile.
     pub reset: bool,
-    /// Requests recorded.
+    /// Requests recorded (not preempted before).
     pub requests: u64,
     /// Tokens looked up.
     pub queries: u64,
     /// Tokens found cached.
     pub hits: u64,
+    /// Requests recorded again after a preemption (vLLM counts them apart).
+    pub preempted_requests: u64,
+    /// Tokens looked up by those requests.
+    pub preempted_queries: u64,
+    /// Tokens those requests found cached.
+    pub preempted_hits: u64,
 }
 
 /// `allocate_slots` with nothing to place (vLLM's message).
@@ -174,6 +203,10 @@ struct SlotCounts {
     main_tokens: usize,
     /// Blocks the table needs to hold the slots (lookahead included).
     required: usize,
+    /// Blocks the whole sequence needs (`num_tokens`, capped at `max_model_len`).
+    full_sequence: usize,
+    /// Free blocks to leave to other sequences.
+    reserved: usize,
 }
 
 /// A checked caching step: which blocks of the table to cache, their hashes, and the
@@ -204,6 +237,8 @@ pub struct KVCacheManager {
     max_model_len: Option<usize>,
     /// `Some` iff stats are logged.
     stats: Option<PrefixCacheStats>,
+    /// Free blocks admissions leave untouched while other requests are scheduled.
+    watermark_blocks: usize,
     requests: FxHashMap<String, RequestBlocks>,
 }
 
@@ -230,8 +265,32 @@ impl KVCacheManager {
             block_size,
             max_model_len,
             stats: log_stats.then(PrefixCacheStats::default),
+            watermark_blocks: 0,
             requests: FxHashMap::default(),
         })
+    }
+
+    /// Keeps `int(watermark * num_blocks)` blocks free when admitting requests while
+    /// others are scheduled (vLLM's `watermark`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a negative or non-finite fraction.
+    pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
+        if !watermark.is_finite() || watermark < 0.0 {
+            return Err(Error::InvalidArgument(format!(
+                "watermark must be non-negative, got {watermark}"
+            )));
+        }
+        // Truncation toward zero is vLLM's `int()`; the product is non-negative.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let blocks = (watermark * f64::from(self.pool.num_blocks())) as usize;
+        self.watermark_blocks = blocks;
+        Ok(())
+    }
+
+    /// The blocks kept free for admissions (see [`KVCacheManager::set_watermark`]).
+    pub fn watermark_blocks(&self) -> usize {
+        self.watermark_blocks
     }
 
     /// Starts recording KV cache events: the pool's removals and clears, and one
@@ -310,12 +369,28 @@ impl KVCacheManager {
         &self,
         request: &RequestView<'_, H>,
     ) -> Result<(Vec<u32>, usize)> {
+        self.get_computed_blocks_with(request, Lookup::default())
+    }
+
+    /// [`KVCacheManager::get_computed_blocks`] bounded as `lookup` says: nothing when
+    /// the request skips the prefix cache, at most `max_cache_hit_length` tokens.
+    ///
+    /// # Errors
+    /// As [`KVCacheManager::get_computed_blocks`].
+    pub fn get_computed_blocks_with<H: HashSource + ?Sized>(
+        &self,
+        request: &RequestView<'_, H>,
+        lookup: Lookup,
+    ) -> Result<(Vec<u32>, usize)> {
         let num_tokens = non_negative("num_tokens", request.num_tokens)?;
-        if !self.pool.enable_caching() {
+        if !self.pool.enable_caching() || lookup.skip_reading_prefix_cache {
             return Ok((Vec::new(), 0));
         }
-        let max_blocks =
-            (num_tokens.saturating_sub(1) / self.block_size).min(request.block_hashes.num_hashes());
+        let max_tokens = match lookup.max_cache_hit_length {
+            Some(m) => usize::try_from(m).unwrap_or(0),
+            None => num_tokens.saturating_sub(1),
+        };
+        let max_blocks = (max_tokens / self.block_size).min(request.block_hashes.num_hashes());
         // One hash at a time: the scan stops at the first miss, and a hash past it is
         // neither converted nor validated (as vLLM, which never reads it).
         let hashes = (0..max_blocks).map(|i| request.block_hashes.hash(i));
@@ -353,10 +428,30 @@ impl KVCacheManager {
             .iter()
             .filter(|&&b| self.pool.ref_cnt_of(b) == 0)
             .count();
-        let to_allocate = required
-            .saturating_sub(table_after_adopt)
-            .saturating_add(evictable);
-        if to_allocate > self.pool.num_free_blocks() {
+        // vLLM's get_num_blocks_to_allocate: touching a free hit takes it from the pool.
+        let to_allocate = |blocks: usize| {
+            blocks
+                .saturating_sub(table_after_adopt)
+                .saturating_add(evictable)
+        };
+        let watermark = if args.has_scheduled_reqs && args.admitting {
+            self.watermark_blocks
+        } else {
+            0
+        };
+        let free = self.pool.num_free_blocks();
+        // The admission gate compares against all free blocks, the step against what
+        // the reservation leaves, as vLLM does.
+        if args.full_sequence_must_fit
+            && to_allocate(counts.full_sequence).saturating_add(watermark) > free
+        {
+            return Ok(None);
+        }
+        if to_allocate(required)
+            .saturating_add(watermark)
+            .saturating_add(counts.reserved)
+            > free
+        {
             return Ok(None);
         }
 
@@ -488,6 +583,89 @@ impl KVCacheManager {
         Ok(())
     }
 
+    /// Records one `BlockStored` for the request's first `num_blocks` blocks, already
+    /// cached (vLLM's `emit_cached_block_events` for a prefix hit reported in "full"
+    /// mode: parent `None`, the hit's tokens). A no-op with events off.
+    ///
+    /// # Errors
+    /// [`Error::TooFewHashes`] when the request has fewer hashes; the errors of its
+    /// hash and token sources. Nothing is recorded then.
+    pub fn record_cached_block_events<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        num_blocks: usize,
+    ) -> Result<()> {
+        if num_blocks == 0 || !self.pool.events().is_enabled() {
+            return Ok(());
+        }
+        let mut hashes = Vec::with_capacity(num_blocks.min(request.block_hashes.num_hashes()));
+        request.block_hashes.hashes(0..num_blocks, &mut hashes)?;
+        if hashes.len() != num_blocks {
+            return Err(Error::TooFewHashes {
+                needed: num_blocks,
+                got: hashes.len(),
+            });
+        }
+        let (_, tokens) = self.stored_event_data(request, 0, num_blocks)?;
+        self.pool
+            .events_mut()
+            .record_stored(&hashes, None, &tokens, 0, GROUP_ID);
+        Ok(())
+    }
+
+    /// Forgets the request and hands its table over without freeing it (vLLM's
+    /// `pop_blocks_for_free`, for frees deferred until a step in flight lands): the
+    /// caller frees the blocks later, tail first. Unknown requests give `[]`.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
+        self.requests
+            .remove(request_id)
+            .map(|s| s.blocks)
+            .unwrap_or_default()
+    }
+
+    /// The tokens covered by the request's cached blocks: up to the end of its last
+    /// table block that has a hash (vLLM's `estimate_cached_tokens`, the largest
+    /// `block_hash_num_tokens`). A block is hashed only at its own table position,
+    /// so that end is the hash's token count.
+    pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
+        self.get_block_ids(request_id)
+            .iter()
+            .rposition(|&b| self.pool.block_is_cached(b))
+            .map_or(0, |i| (i + 1).saturating_mul(self.block_size))
+    }
+
+    /// The blocks an allocation giving the request `num_tokens` slots would take
+    /// from the free pool, with `new_computed_blocks` as its prefix hits (vLLM's
+    /// `coordinator.get_num_blocks_to_allocate` for one full-attention group).
+    ///
+    /// # Errors
+    /// [`Error::Negative`] for `num_tokens`; the errors of the hits' checks in
+    /// [`KVCacheManager::allocate_slots`].
+    pub fn num_blocks_to_allocate(
+        &self,
+        request_id: &str,
+        num_tokens: i64,
+        new_computed_blocks: &[i64],
+    ) -> Result<usize> {
+        let num_tokens = non_negative("num_tokens", num_tokens)?;
+        let hits = self.check_hits(new_computed_blocks)?;
+        let state = self.requests.get(request_id);
+        let held = state.map_or(0, |s| s.blocks.len());
+        if state.is_some_and(|s| s.num_cached.is_some()) && !hits.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "request {request_id} already holds blocks, so it cannot adopt computed tokens"
+            )));
+        }
+        let evictable = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_cnt_of(b) == 0)
+            .count();
+        Ok(num_tokens
+            .div_ceil(self.block_size)
+            .saturating_sub(held + hits.len())
+            .saturating_add(evictable))
+    }
+
     /// The request's block table (empty for an unknown request).
     pub fn get_block_ids(&self, request_id: &str) -> &[u32] {
         self.requests.get(request_id).map_or(&[], |s| &s.blocks)
@@ -530,6 +708,34 @@ impl KVCacheManager {
         request: &RequestView<'_, H>,
         num_hits: i64,
     ) -> Result<()> {
+        self.record_lookup(request, num_hits, false, false)
+    }
+
+    /// [`KVCacheManager::record_prefix_cache_stats`] as vLLM's scheduler records:
+    /// nothing for a request whose lookup was skipped (`lookup`), and a request
+    /// that was `preempted` before into the `preempted_*` counters.
+    ///
+    /// # Errors
+    /// As [`KVCacheManager::record_prefix_cache_stats`].
+    pub fn record_prefix_cache_stats_with<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        num_hits: i64,
+        lookup: Lookup,
+        preempted: bool,
+    ) -> Result<()> {
+        let skipped = !self.pool.enable_caching() || lookup.skip_reading_prefix_cache;
+        self.record_lookup(request, num_hits, skipped, preempted)
+    }
+
+    /// Validates one recorded lookup and counts it unless `skipped`.
+    fn record_lookup<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        num_hits: i64,
+        skipped: bool,
+        preempted: bool,
+    ) -> Result<()> {
         let queries = non_negative("num_tokens", request.num_tokens)?;
         let hits = non_negative("num_hits", num_hits)?;
         if hits > queries {
@@ -537,15 +743,21 @@ impl KVCacheManager {
                 "num_hits {hits} exceeds the request's {queries} tokens"
             )));
         }
-        if let Some(stats) = &mut self.stats {
+        if let (Some(stats), false) = (&mut self.stats, skipped) {
+            let (requests, total_queries, total_hits) = if preempted {
+                (
+                    &mut stats.preempted_requests,
+                    &mut stats.preempted_queries,
+                    &mut stats.preempted_hits,
+                )
+            } else {
+                (&mut stats.requests, &mut stats.queries, &mut stats.hits)
+            };
             // Counters only grow; saturating keeps a pathological run panic-free.
-            stats.requests = stats.requests.saturating_add(1);
-            stats.queries = stats
-                .queries
-                .saturating_add(u64::try_from(queries).unwrap_or(u64::MAX));
-            stats.hits = stats
-                .hits
-                .saturating_add(u64::try_from(hits).unwrap_or(u64::MAX));
+            *requests = requests.saturating_add(1);
+            *total_queries =
+                total_queries.saturating_add(u64::try_from(queries).unwrap_or(u64::MAX));
+            *total_hits = total_hits.saturating_add(u64::try_from(hits).unwrap_or(u64::MAX));
         }
         Ok(())
     }
@@ -608,6 +820,7 @@ impl KVCacheManager {
             "num_external_computed_tokens",
             args.num_external_computed_tokens,
         )?;
+        let reserved = non_negative("reserved_blocks", args.reserved_blocks)?;
         let num_tokens = non_negative("num_tokens", request.num_tokens)?;
         let num_computed = non_negative("num_computed_tokens", request.num_computed_tokens)?;
         if num_new == 0 && num_external == 0 && new_computed == 0 {
@@ -625,6 +838,8 @@ impl KVCacheManager {
             total_computed,
             main_tokens,
             required: slot_tokens.div_ceil(self.block_size),
+            full_sequence: cap(num_tokens).div_ceil(self.block_size),
+            reserved,
         })
     }
 

@@ -543,8 +543,8 @@ impl BlockPool {
         Some((hash, group))
     }
 
-    /// Whether block `id` (trusted) is cached under some key.
-    pub(crate) fn block_is_cached(&self, id: u32) -> bool {
+    /// Whether block `id` is cached under some key (false for an id out of range).
+    pub fn block_is_cached(&self, id: u32) -> bool {
         self.prefix.is_cached(id)
     }
 

@@ -468,7 +468,8 @@ fn prefix_cache_stats() {
             reset: true,
             requests: 2,
             queries: 20,
-            hits: 4
+            hits: 4,
+            ..PrefixCacheStats::default()
         })
     );
     assert_eq!(

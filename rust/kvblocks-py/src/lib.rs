@@ -8,6 +8,7 @@ mod manager;
 mod pool;
 mod request;
 mod rollback;
+mod vllm;
 
 use pyo3::prelude::*;
 
@@ -21,6 +22,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<request::PyRequest>()?;
     m.add_class::<rollback::PyRollbackResult>()?;
     m.add_class::<rollback::PyInvalidBlocksOutcome>()?;
+    // kvblocks.vllm's native half, outside the backend API (`__all__`).
+    m.add_class::<vllm::PyVllmManager>()?;
+    m.add_class::<vllm::PyKVCacheBlocks>()?;
     m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(
         rollback::update_requests_with_invalid_blocks,

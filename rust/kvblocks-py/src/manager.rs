@@ -245,12 +245,12 @@ impl From<PrefixCacheStats> for PyPrefixCacheStats {
 ///     * ``_num_cached_block[r]`` (present once ``r`` adopted hits or external tokens, or
 ///       had a full block cached) is how many leading blocks of its table are hashed;
 ///       a request in it is "known" and cannot adopt prefix hits any more.
-#[pyclass(module = "kvblocks._native", name = "KVCacheManager")]
+#[pyclass(module = "kvblocks._native", name = "KVCacheManager", subclass)]
 pub struct PyKVCacheManager {
     pub inner: CoreManager,
     block_size: i64,
     /// `Some` iff KV cache events are on.
-    events: Option<EventState>,
+    pub(crate) events: Option<EventState>,
     /// The `block_pool` view, made on first access and then always the same object, as
     /// the reference's attribute is. It refers back to the manager: the cycle is the
     /// garbage collector's (`__traverse__` / `__clear__` below).
@@ -269,7 +269,7 @@ impl PyKVCacheManager {
         text_signature = "(num_blocks, block_size, *, enable_caching=True, max_model_len=None, log_stats=False, enable_kv_cache_events=False, kv_events_last_copy_removal=False)"
     )]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
-    fn new(
+    pub(crate) fn new(
         py: Python<'_>,
         num_blocks: i64,
         block_size: i64,
@@ -446,6 +446,7 @@ impl PyKVCacheManager {
             num_lookahead_tokens,
             num_external_computed_tokens,
             delay_cache_blocks: delay_cache_blocks.0,
+            ..SlotRequest::default()
         };
         let tokens = RequestTokens::new(self.events.as_ref(), request);
         let before = self.inner.events().len();

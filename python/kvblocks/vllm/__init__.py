@@ -1,0 +1,45 @@
+"""kvblocks inside vLLM 0.33.0's own Scheduler.
+
+Use it with vLLM's supported hook::
+
+    vllm serve MODEL --scheduler-cls kvblocks.vllm.KVBlocksScheduler        # async scheduling off
+    vllm serve MODEL --scheduler-cls kvblocks.vllm.KVBlocksAsyncScheduler   # async scheduling on
+
+or ``LLM(..., scheduler_cls="kvblocks.vllm.KVBlocksScheduler")``. The scheduler builds
+kvblocks' :class:`KVCacheManager` (state and decisions in Rust) in place of vLLM's when
+the configuration is one plain full-attention KV cache group, and vLLM's own manager
+otherwise, logging the reason once at INFO. :func:`install` does the same for code that
+builds ``vllm.v1.core.sched.scheduler.Scheduler`` directly.
+
+Importing this module imports vLLM; ``import kvblocks`` never does.
+"""
+
+from __future__ import annotations
+
+from kvblocks.vllm._version_check import require_vllm
+
+require_vllm()
+
+from kvblocks.vllm.factory import (  # noqa: E402
+    install,
+    make_kv_cache_manager,
+    uninstall,
+    unsupported_reason,
+)
+from kvblocks.vllm.manager import KVCacheManager  # noqa: E402
+from kvblocks.vllm.scheduler import (  # noqa: E402
+    KVBlocksAsyncScheduler,
+    KVBlocksScheduler,
+    rollback_mode,
+)
+
+__all__ = [
+    "KVBlocksAsyncScheduler",
+    "KVBlocksScheduler",
+    "KVCacheManager",
+    "install",
+    "make_kv_cache_manager",
+    "rollback_mode",
+    "uninstall",
+    "unsupported_reason",
+]

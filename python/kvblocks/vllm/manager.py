@@ -1,0 +1,303 @@
+"""``KVCacheManager``: vLLM 0.33.0's manager surface for one full-attention KV cache
+group, with its state and decisions in kvblocks' Rust core.
+
+The Scheduler's hot calls (``allocate_slots``, ``get_computed_blocks``, ``free``,
+``cache_blocks``, ``get_blocks``, ...) are native methods; this module adds the
+constructor vLLM calls, the members vLLM's coordinator and block pool expose, the
+once-a-step conversions to vLLM's own stats and event classes, and the members that
+are constants for one full-attention group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+from vllm.distributed import kv_events as vllm_events
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request, RequestStatus
+
+from kvblocks._native import KVCacheBlock, KVCacheBlocks, VllmKVCacheManager
+
+__all__ = ["BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager"]
+
+#: The statuses of requests being admitted, which the watermark applies to.
+ADMISSION_STATUSES = (int(RequestStatus.WAITING), int(RequestStatus.PREEMPTED))
+
+#: ``kv_cache_spec_kind`` of the one group (vLLM's annotation of ``BlockStored``).
+FULL_ATTENTION_KIND = "full_attention"
+
+
+def block_ids(blocks: Iterable[KVCacheBlock | int]) -> list[int]:
+    """The ids of block objects (anything with ``block_id``) or of plain ints."""
+    return [b if isinstance(b, int) else b.block_id for b in blocks]
+
+
+class BlockPool:
+    """vLLM's ``BlockPool`` members that the Scheduler and id-level connectors use, on
+    the manager's native pool. Blocks come back as :class:`KVCacheBlock` snapshots;
+    ``free_blocks`` and ``touch`` take those (or ids)."""
+
+    __slots__ = ("_pool", "enable_caching", "hash_block_size", "num_gpu_blocks")
+
+    def __init__(self, pool: Any, *, enable_caching: bool, block_size: int) -> None:
+        self._pool = pool
+        self.enable_caching = enable_caching
+        self.hash_block_size = block_size
+        self.num_gpu_blocks: int = pool.num_blocks
+
+    @property
+    def null_block(self) -> KVCacheBlock:
+        """Block 0, never handed out."""
+        return self._pool.get_block(0)  # type: ignore[no-any-return]
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock | int]) -> None:
+        """Drops one reference of each block, in eviction-priority order."""
+        self._pool.free_blocks(block_ids(ordered_blocks))
+
+    def touch(self, blocks: Iterable[KVCacheBlock | int]) -> None:
+        """Adds one reference to each block (taking free ones out of the queue)."""
+        self._pool.touch(block_ids(blocks))
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Allocates ``num_blocks`` blocks from the free queue's head."""
+        return [self._pool.get_block(b) for b in self._pool.get_new_blocks(num_blocks)]
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """The cached block of each group for ``block_hash``, or None on a miss."""
+        ids = self._pool.get_cached_block(block_hash, tuple(kv_cache_group_ids))
+        return None if ids is None else [self._pool.get_block(b) for b in ids]
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drops the blocks' hashes from the prefix cache."""
+        self._pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use."""
+        return self._pool.reset_prefix_cache()  # type: ignore[no-any-return]
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue."""
+        return self._pool.get_num_free_blocks()  # type: ignore[no-any-return]
+
+    def get_usage(self) -> float:
+        """``1 - free / (num_gpu_blocks - 1)``."""
+        return self._pool.get_usage()  # type: ignore[no-any-return]
+
+
+class SingleTypeManager:
+    """What vLLM's Scheduler, engine core and connectors read of the group's manager."""
+
+    __slots__ = ("block_pool", "block_size", "dcp_world_size", "kv_cache_group_id", "kv_cache_spec")
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool) -> None:
+        self.kv_cache_spec = spec
+        self.block_size: int = spec.block_size
+        self.kv_cache_group_id = 0
+        self.block_pool = block_pool
+        self.dcp_world_size = 1
+
+
+class KVCacheCoordinator:
+    """vLLM's coordinator members that leak out of its manager, for one group."""
+
+    enable_partial_hash_hits = False
+    full_attention_group_id = 0
+    num_reprefillable_tokens = 0
+
+    __slots__ = ("_manager", "block_pool", "eagle_group_ids", "single_type_managers")
+
+    def __init__(self, manager: KVCacheManager, spec: KVCacheSpec, block_pool: BlockPool) -> None:
+        self._manager = manager
+        self.block_pool = block_pool
+        self.single_type_managers = (SingleTypeManager(spec, block_pool),)
+        self.eagle_group_ids: set[int] = set()
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks an allocation of ``num_tokens`` slots would take from the pool."""
+        hits = block_ids(new_computed_blocks[0]) if new_computed_blocks else []
+        return self._manager.num_blocks_to_allocate(request_id, num_tokens, hits)
+
+
+class KVCacheManager(VllmKVCacheManager):
+    """vLLM 0.33.0's ``KVCacheManager`` for one full-attention KV cache group, with its
+    state and decisions in Rust. Takes vLLM's constructor arguments; build it through
+    :func:`kvblocks.vllm.make_kv_cache_manager`, which falls back to vLLM's manager
+    for configurations this one does not support."""
+
+    def __new__(
+        cls,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: object | None = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> KVCacheManager:
+        from kvblocks.vllm.factory import unsupported_reason
+
+        reason = unsupported_reason(
+            kv_cache_config=kv_cache_config,
+            max_model_len=max_model_len,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            metrics_collector=metrics_collector,
+            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+        )
+        if reason is not None:
+            raise ValueError(f"kvblocks' KVCacheManager does not support {reason}")
+        return super().__new__(
+            cls,
+            kv_cache_config.num_blocks,
+            scheduler_block_size,
+            max_model_len,
+            enable_caching=enable_caching,
+            log_stats=log_stats,
+            enable_kv_cache_events=enable_kv_cache_events,
+            watermark=watermark,
+            admission_statuses=list(ADMISSION_STATUSES),
+        )
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: object | None = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.log_stats = log_stats
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = False
+        self.metrics_collector = None
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.kv_cache_event_metadata = ((FULL_ATTENTION_KIND, None),)
+        pool = BlockPool(
+            super().block_pool, enable_caching=enable_caching, block_size=scheduler_block_size
+        )
+        self._vllm_block_pool = pool
+        self.coordinator = KVCacheCoordinator(self, spec, pool)
+
+    @property  # type: ignore[override]
+    def block_pool(self) -> BlockPool:
+        """vLLM's ``BlockPool`` members, on the manager's pool."""
+        return self._vllm_block_pool
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup may run for this request."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks`` plus ``hit_diverged`` (never, with one group)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """The first ``num_computed_tokens`` tokens' blocks of a lookup result."""
+        return blocks.head(num_computed_tokens // self.block_size)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats since the last call (then reset), or None."""
+        counters = self.take_prefix_cache_counters()
+        if counters is None:
+            return None
+        reset, requests, queries, hits, p_requests, p_queries, p_hits = counters
+        return PrefixCacheStats(
+            reset=reset,
+            requests=requests,
+            queries=queries,
+            hits=hits,
+            preempted_requests=p_requests,
+            preempted_queries=p_queries,
+            preempted_hits=p_hits,
+        )
+
+    def take_events(self) -> list[vllm_events.KVCacheEvent]:  # type: ignore[override]
+        """The KV cache events since the last call, as vLLM's own event structs."""
+        return [to_vllm_event(event) for event in super().take_events()]
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM (no cascade attention): ``[0]``."""
+        return [0]
+
+    def new_step_starts(self) -> None:
+        """Nothing to do for full attention."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Full attention skips no tokens."""
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba only: ``{}``."""
+        return {}
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+        """No copy-on-write with one full-attention group: ``([], [])``."""
+        return [], []
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Mamba only: ``[]``."""
+        return []
+
+    def take_new_block_ids(self) -> list[int]:
+        """No zeroing with one uniform full-attention group: ``[]``."""
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No zeroing with one uniform full-attention group."""
+
+
+def to_vllm_event(event: Any) -> vllm_events.KVCacheEvent:
+    """A kvblocks event struct as vLLM's struct of the same name and fields."""
+    cls = getattr(vllm_events, type(event).__name__)
+    fields = msgspec.structs.asdict(event)
+    return cls(**{name: fields[name] for name in cls.__struct_fields__ if name in fields})  # type: ignore[no-any-return]

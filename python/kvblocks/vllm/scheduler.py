@@ -1,0 +1,145 @@
+"""vLLM 0.33.0's ``Scheduler`` and ``AsyncScheduler`` with kvblocks' KV cache manager.
+
+The manager is built *during* ``super().__init__()``: the scheduler module's
+``KVCacheManager`` name is bound to kvblocks' factory for that call only, so everything
+the Scheduler derives from its manager (connector binding, spec-decode block counts)
+sees kvblocks' manager, and no throw-away vLLM pool is built. The invalid-block rollback
+runs natively, with the block tables read inside Rust.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import vllm.v1.core.sched.scheduler as scheduler_module
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvblocks import _native
+from kvblocks.vllm.factory import make_kv_cache_manager
+from kvblocks.vllm.manager import KVCacheManager
+
+__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode"]
+
+logger = logging.getLogger("vllm.kvblocks")
+
+#: ``KVBLOCKS_ROLLBACK_MODE`` values: vLLM's exact semantics, or kvblocks' strict mode.
+ROLLBACK_MODES = ("vllm", "strict")
+
+# One scheduler is built at a time while the module's name is swapped.
+_swap_lock = threading.Lock()
+
+
+def rollback_mode() -> str:
+    """``KVBLOCKS_ROLLBACK_MODE`` (default ``vllm``), checked."""
+    mode = os.environ.get("KVBLOCKS_ROLLBACK_MODE", "vllm")
+    if mode not in ROLLBACK_MODES:
+        raise ValueError(
+            f"KVBLOCKS_ROLLBACK_MODE must be 'vllm' or 'strict', got {mode!r}: "
+            "unset it for vLLM's semantics"
+        )
+    return mode
+
+
+class _KVBlocksScheduling:
+    """What both scheduler classes add to vLLM's: the manager swap at construction and
+    the native rollback. Listed first among the bases, so its methods win."""
+
+    kv_cache_manager: Any
+    running: list[Request]
+    kv_holding_waiting: Any
+    recompute_kv_load_failures: bool
+    failed_recving_kv_req_ids: set[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._rollback_mode = rollback_mode()
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        with _swap_lock:
+            saved = scheduler_module.KVCacheManager
+            scheduler_module.KVCacheManager = partial(  # type: ignore[misc,assignment]
+                make_kv_cache_manager, vllm_config=vllm_config
+            )
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                scheduler_module.KVCacheManager = saved  # type: ignore[misc]
+
+    def _update_requests_with_invalid_blocks(
+        self,
+        requests: Iterable[Request],
+        invalid_block_ids: set[int],
+        num_scheduled_tokens: dict[str, int],
+        evict_blocks: bool = True,
+    ) -> tuple[set[str], int, set[int]]:
+        if not isinstance(self.kv_cache_manager, KVCacheManager):
+            return super()._update_requests_with_invalid_blocks(  # type: ignore[misc,no-any-return]
+                requests, invalid_block_ids, num_scheduled_tokens, evict_blocks
+            )
+        affected, tokens, to_evict = _native.update_requests_with_invalid_blocks(
+            self.kv_cache_manager,
+            list(requests),
+            invalid_block_ids,
+            num_scheduled_tokens,
+            evict_blocks=evict_blocks,
+            mode=self._rollback_mode,
+        )
+        return affected, int(tokens), to_evict
+
+    def _handle_invalid_blocks(
+        self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int]
+    ) -> set[str]:
+        if not isinstance(self.kv_cache_manager, KVCacheManager):
+            return super()._handle_invalid_blocks(  # type: ignore[misc,no-any-return]
+                invalid_block_ids, num_scheduled_tokens
+            )
+        recompute = self.recompute_kv_load_failures
+        waiting = [
+            req
+            for req in self.kv_holding_waiting
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
+        outcome = _native.handle_invalid_blocks(
+            self.kv_cache_manager,
+            invalid_block_ids,
+            num_scheduled_tokens,
+            running=self.running,
+            waiting_for_remote_kvs=waiting,
+            policy="recompute" if recompute else "fail",
+            mode=self._rollback_mode,
+        )
+        if not recompute:
+            if outcome.failed_req_ids:
+                logger.error(
+                    "Failing %d request(s) due to KV load failure "
+                    "(failure_policy=fail, %d tokens affected). Request IDs: %s",
+                    len(outcome.failed_req_ids),
+                    outcome.total_affected_tokens,
+                    outcome.failed_req_ids,
+                )
+            return outcome.failed_req_ids
+        num_affected = len(outcome.rescheduled_req_ids) + len(outcome.retry_req_ids)
+        if num_affected:
+            logger.warning(
+                "Recovered from KV load failure: "
+                "%d request(s) rescheduled (%d tokens affected).",
+                num_affected,
+                outcome.total_affected_tokens,
+            )
+        self.failed_recving_kv_req_ids |= outcome.retry_req_ids
+        return outcome.rescheduled_req_ids
+
+
+class KVBlocksScheduler(_KVBlocksScheduling, Scheduler):
+    """vLLM's ``Scheduler`` (async scheduling off) with kvblocks' KV cache manager:
+    ``--scheduler-cls kvblocks.vllm.KVBlocksScheduler``."""
+
+
+class KVBlocksAsyncScheduler(_KVBlocksScheduling, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (async scheduling on) with kvblocks' KV cache manager:
+    ``--scheduler-cls kvblocks.vllm.KVBlocksAsyncScheduler``."""

@@ -1,0 +1,658 @@
+//! vLLM 0.33.0's `KVCacheManager` surface for `kvblocks.vllm`: the native manager with
+//! the Scheduler's arguments and result shapes. Every decision is the core's; this
+//! module reads vLLM's `Request` (its block hashes once each, kept per request until it
+//! is freed) and hands block ids back in `KVCacheBlocks`, whose block views are built
+//! only when a connector reads `.blocks`.
+
+// The `///` comments of the Python-visible items are docstrings (reST, Google style),
+// not rustdoc markdown.
+#![allow(clippy::doc_markdown)]
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use kvblocks_core::manager::{HashSource, Lookup, RequestView, SlotRequest};
+use kvblocks_core::BlockHash;
+use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PySequence, PyTuple};
+use rustc_hash::FxHashMap;
+
+use crate::convert::{int_column, Flag};
+use crate::errors::{IntoPyResult, StashedError};
+use crate::events::RequestTokens;
+use crate::manager::PyKVCacheManager;
+use crate::pool::{HashSeq, PyKVCacheBlock};
+
+/// A request's block hashes: those read before from the cache, the rest converted from
+/// `request.block_hashes` as the core asks for them and added to the cache (vLLM only
+/// ever appends to that list).
+struct CachedHashes<'a, 'py> {
+    seq: HashSeq<'py>,
+    len: usize,
+    cache: RefCell<&'a mut Vec<BlockHash>>,
+    error: StashedError,
+}
+
+impl CachedHashes<'_, '_> {
+    /// Converts the hashes up to `end` that the cache does not hold yet.
+    fn fill(&self, end: usize) -> kvblocks_core::Result<()> {
+        let mut cache = self.cache.borrow_mut();
+        if cache.len() >= end {
+            return Ok(());
+        }
+        match self.seq.range(cache.len()..end) {
+            Ok(hashes) => {
+                cache.extend(hashes);
+                Ok(())
+            }
+            Err(err) => Err(self.error.keep(err, "block hash conversion")),
+        }
+    }
+
+    /// The core result, or the Python error the conversion hit.
+    fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
+        match self.error.take() {
+            Some(err) => Err(err),
+            None => result.py(),
+        }
+    }
+}
+
+impl HashSource for CachedHashes<'_, '_> {
+    fn num_hashes(&self) -> usize {
+        self.len
+    }
+
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
+        self.fill(range.end)?;
+        self.cache.borrow().as_slice().hashes(range, out)
+    }
+
+    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
+        self.fill(i + 1)?;
+        self.cache.borrow().as_slice().hash(i)
+    }
+}
+
+/// What the manager reads of a vLLM `Request`, read once per call.
+struct VllmRequest<'py> {
+    request_id: String,
+    num_tokens: i64,
+    num_computed_tokens: i64,
+    block_hashes: HashSeq<'py>,
+    num_hashes: usize,
+}
+
+impl<'py> VllmRequest<'py> {
+    fn read(request: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = request.py();
+        let block_hashes = HashSeq::new(
+            request
+                .getattr(intern!(py, "block_hashes"))?
+                .cast_into::<PySequence>()?,
+        );
+        Ok(Self {
+            request_id: request_id(request)?,
+            num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
+            num_computed_tokens: request
+                .getattr(intern!(py, "num_computed_tokens"))?
+                .extract()?,
+            num_hashes: block_hashes.len()?,
+            block_hashes,
+        })
+    }
+}
+
+/// `request.request_id`.
+fn request_id(request: &Bound<'_, PyAny>) -> PyResult<String> {
+    request
+        .getattr(intern!(request.py(), "request_id"))?
+        .extract()
+}
+
+/// `getattr(request, name, False)`, by truthiness.
+fn request_flag(
+    request: &Bound<'_, PyAny>,
+    name: &Bound<'_, pyo3::types::PyString>,
+) -> PyResult<bool> {
+    request
+        .getattr_opt(name)?
+        .map_or(Ok(false), |v| v.is_truthy())
+}
+
+/// The blocks of one allocation or lookup, for vLLM's Scheduler and connectors.
+///
+/// ``get_block_ids()`` answers from the ids held here; ``blocks`` builds one
+/// :class:`KVCacheBlock` snapshot per block (with its current hash state) when read.
+#[pyclass(module = "kvblocks._native", name = "KVCacheBlocks", frozen)]
+pub struct PyKVCacheBlocks {
+    ids: Vec<u32>,
+    /// The manager whose pool the blocks are in (`None` for results with no blocks).
+    manager: Option<Py<PyVllmManager>>,
+}
+
+impl PyKVCacheBlocks {
+    /// Whether block `id` is cached, read from the manager's pool.
+    fn hashed(&self, py: Python<'_>) -> PyResult<Vec<bool>> {
+        let Some(manager) = &self.manager else {
+            return Ok(Vec::new());
+        };
+        let manager = manager.bind(py).try_borrow()?;
+        let pool = manager.as_super().inner.block_pool();
+        Ok(self.ids.iter().map(|&b| pool.block_is_cached(b)).collect())
+    }
+
+    /// The ids of the blocks without a hash.
+    fn unhashed(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let hashed = self.hashed(py)?;
+        Ok(self
+            .ids
+            .iter()
+            .zip(hashed)
+            .filter_map(|(&id, h)| (!h).then_some(id))
+            .collect())
+    }
+}
+
+#[pymethods]
+impl PyKVCacheBlocks {
+    /// The block ids, one list per KV cache group: ``([ids...],)``.
+    ///
+    /// Args:
+    ///     allow_none: Return ``None`` when every selected group is empty.
+    ///     group_ids: The groups to include (only group 0 exists); all by default.
+    #[pyo3(signature = (allow_none=Flag::FALSE, *, group_ids=None))]
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        allow_none: Flag,
+        group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let num_groups = match group_ids {
+            None => 1,
+            Some(ids) => {
+                let mut n = 0;
+                for id in ids.try_iter()? {
+                    let id: i64 = id?.extract()?;
+                    if id != 0 && id != -1 {
+                        return Err(PyIndexError::new_err("tuple index out of range"));
+                    }
+                    n += 1;
+                }
+                n
+            }
+        };
+        if allow_none.0 && (self.ids.is_empty() || num_groups == 0) {
+            return Ok(None);
+        }
+        let lists = (0..num_groups)
+            .map(|_| PyList::new(py, &self.ids))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Some(PyTuple::new(py, lists)?))
+    }
+
+    /// The ids of the blocks that have no hash (one group only, as vLLM asserts).
+    fn get_unhashed_block_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        self.unhashed(py)
+    }
+
+    /// :meth:`get_unhashed_block_ids` per group (tables never hold the null block).
+    fn get_unhashed_block_ids_all_groups(&self, py: Python<'_>) -> PyResult<Vec<Vec<u32>>> {
+        Ok(vec![self.unhashed(py)?])
+    }
+
+    /// One sequence of block snapshots per group, built now from the pool's state.
+    #[getter]
+    fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let Some(manager) = &self.manager else {
+            return PyTuple::new(py, [PyTuple::empty(py)]);
+        };
+        let manager = manager.bind(py).try_borrow()?;
+        let pool = manager.as_super().inner.block_pool();
+        let views = self
+            .ids
+            .iter()
+            .map(|&b| pool.block(i64::from(b)).map(PyKVCacheBlock::from).py())
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, [PyList::new(py, views)?])
+    }
+
+    /// The blocks of both, group by group.
+    fn __add__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let Ok(other) = other.cast::<Self>() else {
+            return Err(PyTypeError::new_err("can only add KVCacheBlocks"));
+        };
+        let other = other.get();
+        Ok(Self {
+            ids: self.ids.iter().chain(&other.ids).copied().collect(),
+            manager: self
+                .manager
+                .as_ref()
+                .or(other.manager.as_ref())
+                .map(|m| m.clone_ref(py)),
+        })
+    }
+
+    /// The first `num_blocks` blocks (vLLM's `truncate_computed_blocks` slice).
+    fn head(&self, py: Python<'_>, num_blocks: usize) -> Self {
+        Self {
+            ids: self.ids.iter().take(num_blocks).copied().collect(),
+            manager: self.manager.as_ref().map(|m| m.clone_ref(py)),
+        }
+    }
+
+    /// A result with no blocks (a method, as vLLM's).
+    #[allow(clippy::unused_self)]
+    fn new_empty(&self) -> Self {
+        Self {
+            ids: Vec::new(),
+            manager: None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("KVCacheBlocks(block_ids=({:?},))", self.ids)
+    }
+}
+
+/// The native half of ``kvblocks.vllm.KVCacheManager``: vLLM 0.33.0's
+/// ``KVCacheManager`` methods for one full-attention group, over the native manager.
+///
+/// Args:
+///     num_blocks: Blocks in the pool, including the null block.
+///     block_size: Tokens per block.
+///     max_model_len: Token counts are capped at it, as vLLM does.
+///     enable_caching: Whether to look up and fill the prefix cache.
+///     log_stats: Whether to keep prefix-cache stats.
+///     enable_kv_cache_events: Whether to record KV cache events.
+///     watermark: The fraction of blocks admissions leave free while other requests
+///         are scheduled (vLLM's ``watermark``).
+///     admission_statuses: The ``request.status`` values of requests being admitted
+///         (vLLM's ``WAITING`` and ``PREEMPTED``), to which the watermark applies.
+#[pyclass(
+    extends = PyKVCacheManager,
+    subclass,
+    module = "kvblocks._native",
+    name = "VllmKVCacheManager"
+)]
+pub struct PyVllmManager {
+    /// Each known request's block hashes converted so far.
+    hashes: FxHashMap<String, Vec<BlockHash>>,
+    admission_statuses: Vec<i64>,
+    /// The result with no blocks, handed out whenever nothing was allocated or hit.
+    empty: Py<PyKVCacheBlocks>,
+}
+
+impl PyVllmManager {
+    /// Runs `f` on the core manager with a view of `request` whose hashes come from
+    /// its cache entry (kept afterwards unless `forget`), and `tokens` attached for
+    /// events. Python errors met while reading come back as they were.
+    fn with_request<T>(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        forget: bool,
+        f: impl FnOnce(
+            &mut PyKVCacheManager,
+            &RequestTokens<'_>,
+            &RequestView<'_, dyn HashSource + '_>,
+        ) -> kvblocks_core::Result<T>,
+    ) -> PyResult<T> {
+        let req = VllmRequest::read(request)?;
+        let mut this = slf.try_borrow_mut()?;
+        let (key, mut cache) = this
+            .hashes
+            .remove_entry(req.request_id.as_str())
+            .unwrap_or_else(|| (req.request_id, Vec::new()));
+        cache.truncate(req.num_hashes);
+        let result = {
+            let hashes = CachedHashes {
+                seq: req.block_hashes,
+                len: req.num_hashes,
+                cache: RefCell::new(&mut cache),
+                error: StashedError::default(),
+            };
+            let base: &mut PyKVCacheManager = &mut *this.as_super();
+            let tokens = RequestTokens::new(base.events.as_ref(), request);
+            let before = base.inner.events().len();
+            let view = RequestView {
+                request_id: &key,
+                num_tokens: req.num_tokens,
+                num_computed_tokens: req.num_computed_tokens,
+                block_hashes: &hashes as &dyn HashSource,
+            };
+            let result = hashes.finish(tokens.run(&view, |view| f(base, &tokens, view)));
+            tokens.finish(result, base.events.as_mut(), base.inner.events(), before)
+        };
+        if !forget {
+            this.hashes.insert(key, cache);
+        }
+        result
+    }
+
+    /// `ids` as a result: the shared empty one when there are none.
+    fn blocks_of(slf: &Bound<'_, Self>, ids: Vec<u32>) -> PyResult<Py<PyKVCacheBlocks>> {
+        let py = slf.py();
+        if ids.is_empty() {
+            return Ok(slf.try_borrow()?.empty.clone_ref(py));
+        }
+        Py::new(
+            py,
+            PyKVCacheBlocks {
+                ids,
+                manager: Some(slf.clone().unbind()),
+            },
+        )
+    }
+
+    /// The prefix hits passed back to `allocate_slots`: ours, or any object with
+    /// vLLM's `.blocks` (a tuple holding one sequence of blocks with `block_id`).
+    fn hit_ids(blocks: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
+        let Some(blocks) = blocks else {
+            return Ok(Vec::new());
+        };
+        if let Ok(ours) = blocks.cast::<PyKVCacheBlocks>() {
+            return Ok(ours.get().ids.iter().map(|&b| i64::from(b)).collect());
+        }
+        let groups = blocks.getattr(intern!(blocks.py(), "blocks"))?;
+        block_ids_of(&groups.get_item(0)?)
+    }
+}
+
+/// The `block_id`s of a sequence of block objects.
+fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let py = blocks.py();
+    blocks
+        .try_iter()?
+        .map(|b| b?.getattr(intern!(py, "block_id"))?.extract())
+        .collect()
+}
+
+// Receivers that reach the base class come as `PyRef`/`PyRefMut`, by value (PyO3's
+// `as_super` needs one).
+#[allow(clippy::needless_pass_by_value)]
+#[pymethods]
+impl PyVllmManager {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE, log_stats=Flag::FALSE,
+        enable_kv_cache_events=Flag::FALSE, watermark=0.0, admission_statuses=Vec::new()
+    ))]
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: i64,
+        block_size: i64,
+        max_model_len: i64,
+        enable_caching: Flag,
+        log_stats: Flag,
+        enable_kv_cache_events: Flag,
+        watermark: f64,
+        admission_statuses: Vec<i64>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let mut base = PyKVCacheManager::new(
+            py,
+            num_blocks,
+            block_size,
+            enable_caching,
+            Some(max_model_len),
+            log_stats,
+            enable_kv_cache_events,
+            Flag::FALSE,
+        )?;
+        base.inner.set_watermark(watermark).py()?;
+        let empty = Py::new(
+            py,
+            PyKVCacheBlocks {
+                ids: Vec::new(),
+                manager: None,
+            },
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(Self {
+            hashes: FxHashMap::default(),
+            admission_statuses,
+            empty,
+        }))
+    }
+
+    /// The result with no blocks (always the same object).
+    #[getter]
+    fn empty_kv_cache_blocks(slf: PyRef<'_, Self>) -> Py<PyKVCacheBlocks> {
+        slf.empty.clone_ref(slf.py())
+    }
+
+    /// Blocks admissions leave free while other requests are scheduled.
+    #[getter]
+    fn watermark_blocks(slf: PyRef<'_, Self>) -> usize {
+        slf.as_super().inner.watermark_blocks()
+    }
+
+    /// vLLM's ``get_computed_blocks``: the longest cached prefix of the request's
+    /// blocks, capped at ``max_cache_hit_length`` tokens (``num_tokens - 1`` by
+    /// default); nothing when the request skips the prefix cache. Touches nothing.
+    ///
+    /// Returns:
+    ///     ``(blocks, num_computed_tokens, 0)``: the third value is vLLM's shared-prefix
+    ///     boundary, always 0 for one group.
+    #[pyo3(signature = (request, max_cache_hit_length=None))]
+    fn get_computed_blocks(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        max_cache_hit_length: Option<i64>,
+    ) -> PyResult<(Py<PyKVCacheBlocks>, usize, usize)> {
+        let py = slf.py();
+        let lookup = Lookup {
+            max_cache_hit_length,
+            skip_reading_prefix_cache: request_flag(
+                request,
+                intern!(py, "skip_reading_prefix_cache"),
+            )?,
+        };
+        let events_on = slf.try_borrow()?.as_super().events.is_some();
+        let full_report = events_on
+            && request
+                .getattr_opt(intern!(py, "kv_cache_report_mode"))?
+                .is_some_and(|mode| mode.eq("full").unwrap_or(false));
+        let (hits, tokens) = Self::with_request(slf, request, false, |base, _, view| {
+            let (hits, tokens) = base.inner.get_computed_blocks_with(view, lookup)?;
+            if full_report {
+                base.inner.record_cached_block_events(view, hits.len())?;
+            }
+            Ok((hits, tokens))
+        })?;
+        Ok((Self::blocks_of(slf, hits)?, tokens, 0))
+    }
+
+    /// vLLM's ``allocate_slots`` (see ``kvblocks.vllm.KVCacheManager``).
+    ///
+    /// Returns:
+    ///     The newly allocated blocks, or ``None`` (nothing changed) when they do not
+    ///     fit.
+    #[pyo3(signature = (
+        request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+        num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=Flag::FALSE,
+        num_encoder_tokens=0, full_sequence_must_fit=Flag::FALSE, reserved_blocks=0,
+        has_scheduled_reqs=Flag::TRUE, skip_zeroing_group_ids=None
+    ))]
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+    fn allocate_slots(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_new_tokens: i64,
+        num_new_computed_tokens: i64,
+        new_computed_blocks: Option<&Bound<'_, PyAny>>,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        delay_cache_blocks: Flag,
+        num_encoder_tokens: i64,
+        full_sequence_must_fit: Flag,
+        reserved_blocks: i64,
+        has_scheduled_reqs: Flag,
+        skip_zeroing_group_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        // One full-attention group: no encoder tokens, nothing to zero.
+        let _ = skip_zeroing_group_ids;
+        if num_encoder_tokens != 0 {
+            return Err(PyValueError::new_err(format!(
+                "num_encoder_tokens must be 0 with one full-attention group, got {num_encoder_tokens}"
+            )));
+        }
+        let hits = Self::hit_ids(new_computed_blocks)?;
+        // The status matters only under a watermark: read it only then.
+        let watermarked = slf.try_borrow()?.as_super().inner.watermark_blocks() > 0;
+        let admitting = if has_scheduled_reqs.0 && watermarked {
+            let status: i64 = request.getattr(intern!(slf.py(), "status"))?.extract()?;
+            slf.try_borrow()?.admission_statuses.contains(&status)
+        } else {
+            false
+        };
+        let slots = SlotRequest {
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks: &hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks: delay_cache_blocks.0,
+            full_sequence_must_fit: full_sequence_must_fit.0,
+            reserved_blocks,
+            has_scheduled_reqs: has_scheduled_reqs.0,
+            admitting,
+        };
+        let allocated = Self::with_request(slf, request, false, |base, _, view| {
+            base.inner.allocate_slots(view, &slots)
+        })?;
+        allocated.map(|ids| Self::blocks_of(slf, ids)).transpose()
+    }
+
+    /// Frees the request's blocks, tail first, and forgets it (unknown: a no-op).
+    fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = request_id(request)?;
+        let mut this = slf.try_borrow_mut()?;
+        this.as_super().inner.free(&id).py()?;
+        this.hashes.remove(&id);
+        Ok(())
+    }
+
+    /// Forgets the request and returns its blocks, in table order, without freeing
+    /// them: the caller frees them later with ``block_pool.free_blocks``, tail first.
+    fn pop_blocks_for_free<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = request_id(request)?;
+        let mut this = slf.try_borrow_mut()?;
+        this.hashes.remove(&id);
+        let base = this.as_super();
+        let ids = base.inner.pop_blocks_for_free(&id);
+        let pool = base.inner.block_pool();
+        let views = ids
+            .iter()
+            .map(|&b| pool.block(i64::from(b)).map(PyKVCacheBlock::from).py())
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(slf.py(), views)
+    }
+
+    /// Caches the request's full blocks within ``num_computed_tokens`` tokens.
+    fn cache_blocks(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+    ) -> PyResult<()> {
+        Self::with_request(slf, request, false, |base, _, view| {
+            base.inner.cache_blocks(view, num_computed_tokens)
+        })
+    }
+
+    /// The request's whole block table.
+    fn get_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<Py<PyKVCacheBlocks>> {
+        let ids = slf
+            .try_borrow()?
+            .as_super()
+            .inner
+            .get_block_ids(request_id)
+            .to_vec();
+        Self::blocks_of(slf, ids)
+    }
+
+    /// The blocks covering the first ``num_computed_tokens`` tokens: ``([ids...],)``.
+    fn get_block_ids_for_computed_tokens<'py>(
+        slf: PyRef<'py, Self>,
+        request_id: &str,
+        num_computed_tokens: i64,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let base = slf.as_super();
+        let table = base.inner.get_block_ids(request_id);
+        let block_size = base.inner.block_size();
+        let tokens = usize::try_from(num_computed_tokens).unwrap_or(0);
+        let n = tokens.div_ceil(block_size).min(table.len());
+        PyTuple::new(py, [PyList::new(py, &table[..n])?])
+    }
+
+    /// The tokens the request's cached blocks cover (vLLM's ``estimate_cached_tokens``).
+    fn estimate_cached_tokens(slf: PyRef<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = request_id(request)?;
+        Ok(slf.as_super().inner.estimate_cached_tokens(&id))
+    }
+
+    /// The blocks an allocation giving the request ``num_tokens`` slots would take
+    /// from the pool, with ``new_computed_blocks`` (block ids) as its hits.
+    fn num_blocks_to_allocate(
+        slf: PyRef<'_, Self>,
+        request_id: &str,
+        num_tokens: i64,
+        new_computed_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let hits = int_column(new_computed_blocks)?.into_vec();
+        slf.as_super()
+            .inner
+            .num_blocks_to_allocate(request_id, num_tokens, &hits)
+            .py()
+    }
+
+    /// Records one admission's lookup as vLLM does: skipped for a request that may not
+    /// read the prefix cache, preempted requests counted apart.
+    fn record_prefix_cache_stats(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_hits: i64,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let lookup = Lookup {
+            max_cache_hit_length: None,
+            skip_reading_prefix_cache: request_flag(
+                request,
+                intern!(py, "skip_reading_prefix_cache"),
+            )?,
+        };
+        let preempted = request
+            .getattr_opt(intern!(py, "num_preemptions"))?
+            .map_or(Ok(0), |n| n.extract::<i64>())?
+            > 0;
+        Self::with_request(slf, request, false, |base, _, view| {
+            base.inner
+                .record_prefix_cache_stats_with(view, num_hits, lookup, preempted)
+        })
+    }
+
+    /// The prefix-cache counters since the last call, then zeroed: ``(reset, requests,
+    /// queries, hits, preempted_requests, preempted_queries, preempted_hits)``, or
+    /// ``None`` without stats.
+    #[allow(clippy::type_complexity)]
+    fn take_prefix_cache_counters(
+        mut slf: PyRefMut<'_, Self>,
+    ) -> Option<(bool, u64, u64, u64, u64, u64, u64)> {
+        slf.as_super().inner.make_prefix_cache_stats().map(|s| {
+            (
+                s.reset,
+                s.requests,
+                s.queries,
+                s.hits,
+                s.preempted_requests,
+                s.preempted_queries,
+                s.preempted_hits,
+            )
+        })
+    }
+}
