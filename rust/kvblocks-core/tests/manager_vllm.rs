@@ -1,0 +1,366 @@
+//! The rules of vLLM 0.33.0's `KVCacheManager` that its Scheduler relies on beyond the
+//! golden traces: the full-sequence admission gate, reserved blocks, the watermark,
+//! prefix hits that are free (and so consumed by touching them), deferred frees,
+//! `estimate_cached_tokens`, the coordinator's block count, bounded lookups, preempted
+//! stats and "full"-mode reuse events. Each case states vLLM's arithmetic.
+
+mod common;
+
+use common::Source;
+use kvblocks_core::events::EventRecord;
+use kvblocks_core::manager::{KVCacheManager, Lookup, PrefixCacheStats, RequestView, SlotRequest};
+use kvblocks_core::{BlockHash, Error};
+
+const BS: i64 = 4;
+
+fn source(num_tokens: usize) -> Source {
+    let tokens: Vec<i64> = (0..num_tokens).map(|t| i64::try_from(t).unwrap()).collect();
+    let hashes = (0..num_tokens / 4)
+        .map(|i| BlockHash::new(&[u8::try_from(i + 1).unwrap(); 32]).unwrap())
+        .collect();
+    Source { hashes, tokens }
+}
+
+fn view<'a>(id: &'a str, num_computed: i64, s: &'a Source) -> RequestView<'a, Source> {
+    RequestView {
+        request_id: id,
+        num_tokens: i64::try_from(s.tokens.len()).unwrap(),
+        num_computed_tokens: num_computed,
+        block_hashes: s,
+    }
+}
+
+fn new_tokens(n: i64) -> SlotRequest<'static> {
+    SlotRequest {
+        num_new_tokens: n,
+        has_scheduled_reqs: true,
+        ..SlotRequest::default()
+    }
+}
+
+/// A manager of `num_blocks` blocks of 4 tokens, capped at 1,024 tokens.
+fn manager(num_blocks: i64) -> KVCacheManager {
+    KVCacheManager::new(num_blocks, BS, true, Some(1024), true).unwrap()
+}
+
+/// The state a refused call must leave alone.
+fn snapshot(mgr: &KVCacheManager) -> (Vec<u32>, usize, Vec<(u32, BlockHash, u32)>) {
+    let pool = mgr.block_pool();
+    (
+        pool.free_block_ids(),
+        mgr.num_requests(),
+        pool.cached_blocks(),
+    )
+}
+
+#[test]
+fn the_full_sequence_gate_refuses_what_only_the_chunk_fits() {
+    // 9 free blocks; the 40-token prompt needs cdiv(40, 4) = 10, its first chunk 2.
+    let mut mgr = manager(10);
+    let s = source(40);
+    let chunk = new_tokens(8);
+    let gated = SlotRequest {
+        full_sequence_must_fit: true,
+        ..chunk
+    };
+    let before = snapshot(&mgr);
+    assert_eq!(mgr.allocate_slots(&view("r", 0, &s), &gated).unwrap(), None);
+    assert_eq!(snapshot(&mgr), before, "a refusal changes nothing");
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 0, &s), &chunk).unwrap(),
+        Some(vec![1, 2])
+    );
+    // 36 tokens need 9 blocks: the gate lets the whole of it in.
+    let mut mgr = manager(10);
+    let s = source(36);
+    let gated = SlotRequest {
+        full_sequence_must_fit: true,
+        ..new_tokens(8)
+    };
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 0, &s), &gated).unwrap(),
+        Some(vec![1, 2])
+    );
+}
+
+#[test]
+fn reserved_blocks_are_left_free_for_the_step_but_not_the_gate() {
+    // 9 free; 3 needed. vLLM: required > free - reserved refuses.
+    let s = source(12);
+    for (reserved, fits) in [(6, true), (7, false)] {
+        let mut mgr = manager(10);
+        let args = SlotRequest {
+            reserved_blocks: reserved,
+            ..new_tokens(12)
+        };
+        let got = mgr.allocate_slots(&view("r", 0, &s), &args).unwrap();
+        assert_eq!(got.is_some(), fits, "reserved {reserved}");
+    }
+    // The full-sequence gate ignores the reservation (it compares with all free blocks).
+    let mut mgr = manager(10);
+    let args = SlotRequest {
+        reserved_blocks: 6,
+        full_sequence_must_fit: true,
+        ..new_tokens(12)
+    };
+    assert!(mgr
+        .allocate_slots(&view("r", 0, &s), &args)
+        .unwrap()
+        .is_some());
+    let mut mgr = manager(10);
+    let args = SlotRequest {
+        reserved_blocks: -1,
+        ..new_tokens(12)
+    };
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 0, &s), &args).unwrap_err(),
+        Error::Negative {
+            name: "reserved_blocks",
+            value: -1
+        }
+    );
+}
+
+#[test]
+fn the_watermark_applies_to_admissions_while_others_are_scheduled() {
+    // int(0.25 * 10) = 2 blocks kept; 9 free; 32 tokens need 8: 8 + 2 > 9.
+    let s = source(32);
+    let cases = [
+        (true, true, false),
+        (true, false, true),
+        (false, true, true),
+        (false, false, true),
+    ];
+    for (admitting, has_scheduled_reqs, fits) in cases {
+        let mut mgr = manager(10);
+        mgr.set_watermark(0.25).unwrap();
+        assert_eq!(mgr.watermark_blocks(), 2);
+        let args = SlotRequest {
+            admitting,
+            has_scheduled_reqs,
+            ..new_tokens(32)
+        };
+        let got = mgr.allocate_slots(&view("r", 0, &s), &args).unwrap();
+        assert_eq!(
+            got.is_some(),
+            fits,
+            "admitting {admitting}, others {has_scheduled_reqs}"
+        );
+    }
+    // The gate counts the watermark too: 36 tokens need 9 blocks, 9 + 2 > 9.
+    let mut mgr = manager(10);
+    mgr.set_watermark(0.25).unwrap();
+    let gated = SlotRequest {
+        admitting: true,
+        full_sequence_must_fit: true,
+        ..new_tokens(4)
+    };
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 0, &source(36)), &gated)
+            .unwrap(),
+        None
+    );
+    for bad in [-0.1, f64::NAN, f64::INFINITY] {
+        let err = mgr.set_watermark(bad).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("watermark must be non-negative"),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        mgr.watermark_blocks(),
+        2,
+        "a refused watermark changes nothing"
+    );
+}
+
+#[test]
+fn free_hits_count_as_taken_from_the_pool() {
+    // r0 caches 2 blocks and frees them: they sit in the free queue (ref 0), hashed.
+    let mut mgr = manager(6);
+    let s = source(12);
+    mgr.allocate_slots(&view("r0", 0, &s), &new_tokens(12))
+        .unwrap();
+    mgr.free("r0").unwrap();
+    let (hits, hit_tokens) = mgr.get_computed_blocks(&view("r1", 0, &s)).unwrap();
+    assert_eq!((hits.len(), hit_tokens), (2, 8));
+    let hit_ids: Vec<i64> = hits.iter().map(|&b| i64::from(b)).collect();
+    // 5 free blocks; the request needs cdiv(12, 4) = 3, 2 of them hits that are free:
+    // 1 new + 2 touched = 3 <= 5. The coordinator's count says the same.
+    assert_eq!(mgr.num_blocks_to_allocate("r1", 12, &hit_ids).unwrap(), 3);
+    assert_eq!(mgr.num_blocks_to_allocate("r1", 12, &[]).unwrap(), 3);
+    // With 4 blocks reserved only 1 is available: refused.
+    let args = SlotRequest {
+        num_new_computed_tokens: 8,
+        new_computed_blocks: &hit_ids,
+        reserved_blocks: 3,
+        ..new_tokens(4)
+    };
+    assert_eq!(mgr.allocate_slots(&view("r1", 0, &s), &args).unwrap(), None);
+    let args = SlotRequest {
+        reserved_blocks: 2,
+        ..args
+    };
+    assert!(mgr
+        .allocate_slots(&view("r1", 0, &s), &args)
+        .unwrap()
+        .is_some());
+    // Known now: one more token needs cdiv(13, 4) - 3 = 1 block; hits are refused.
+    assert_eq!(mgr.num_blocks_to_allocate("r1", 13, &[]).unwrap(), 1);
+    assert!(matches!(
+        mgr.num_blocks_to_allocate("r1", 13, &[1]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        mgr.num_blocks_to_allocate("r1", -1, &[]),
+        Err(Error::Negative { .. })
+    ));
+}
+
+#[test]
+fn popped_blocks_stay_held_until_freed() {
+    let mut mgr = manager(8);
+    let s = source(10);
+    let got = mgr
+        .allocate_slots(&view("r", 0, &s), &new_tokens(10))
+        .unwrap();
+    assert_eq!(got, Some(vec![1, 2, 3]));
+    let free = mgr.block_pool().num_free_blocks();
+    let table = mgr.pop_blocks_for_free("r");
+    assert_eq!(table, [1, 2, 3]);
+    assert_eq!(mgr.num_requests(), 0, "the request is forgotten");
+    assert_eq!(
+        mgr.block_pool().num_free_blocks(),
+        free,
+        "its blocks are still held"
+    );
+    assert!(mgr.pop_blocks_for_free("r").is_empty());
+    let tail_first: Vec<i64> = table.iter().rev().map(|&b| i64::from(b)).collect();
+    mgr.block_pool_mut().free_blocks(&tail_first).unwrap();
+    assert_eq!(mgr.block_pool().num_free_blocks(), 7);
+    mgr.check_invariants().unwrap();
+}
+
+#[test]
+fn cached_tokens_end_at_the_last_hashed_block() {
+    let mut mgr = manager(8);
+    let s = source(10);
+    assert_eq!(mgr.estimate_cached_tokens("r"), 0);
+    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(10))
+        .unwrap();
+    // Blocks 1 and 2 are full and hashed: 2 * 4 tokens.
+    assert_eq!(mgr.estimate_cached_tokens("r"), 8);
+    mgr.evict_blocks(&[2]).unwrap();
+    assert_eq!(mgr.estimate_cached_tokens("r"), 4);
+    mgr.evict_blocks(&[1]).unwrap();
+    assert_eq!(mgr.estimate_cached_tokens("r"), 0);
+}
+
+#[test]
+fn lookups_are_bounded_and_may_be_skipped() {
+    let mut mgr = manager(10);
+    let s = source(20);
+    mgr.allocate_slots(&view("r0", 0, &s), &new_tokens(20))
+        .unwrap();
+    let r1 = view("r1", 0, &s);
+    // Default: num_tokens - 1 = 19 tokens, 4 blocks.
+    assert_eq!(mgr.get_computed_blocks(&r1).unwrap().1, 16);
+    let capped = Lookup {
+        max_cache_hit_length: Some(9),
+        ..Lookup::default()
+    };
+    assert_eq!(
+        mgr.get_computed_blocks_with(&r1, capped).unwrap(),
+        (vec![1, 2], 8)
+    );
+    let skipped = Lookup {
+        skip_reading_prefix_cache: true,
+        ..Lookup::default()
+    };
+    assert_eq!(
+        mgr.get_computed_blocks_with(&r1, skipped).unwrap(),
+        (vec![], 0)
+    );
+    let negative = Lookup {
+        max_cache_hit_length: Some(-1),
+        ..Lookup::default()
+    };
+    assert_eq!(
+        mgr.get_computed_blocks_with(&r1, negative).unwrap(),
+        (vec![], 0)
+    );
+}
+
+#[test]
+fn preempted_lookups_are_counted_apart_and_skipped_ones_not_at_all() {
+    let mut mgr = manager(10);
+    let s = source(20);
+    let r = view("r", 0, &s);
+    mgr.record_prefix_cache_stats_with(&r, 8, Lookup::default(), false)
+        .unwrap();
+    mgr.record_prefix_cache_stats_with(&r, 4, Lookup::default(), true)
+        .unwrap();
+    let skipped = Lookup {
+        skip_reading_prefix_cache: true,
+        ..Lookup::default()
+    };
+    mgr.record_prefix_cache_stats_with(&r, 4, skipped, false)
+        .unwrap();
+    assert_eq!(
+        mgr.make_prefix_cache_stats(),
+        Some(PrefixCacheStats {
+            requests: 1,
+            queries: 20,
+            hits: 8,
+            preempted_requests: 1,
+            preempted_queries: 20,
+            preempted_hits: 4,
+            reset: false,
+        })
+    );
+    // Validation still runs for a skipped lookup.
+    assert!(mgr
+        .record_prefix_cache_stats_with(&r, 21, skipped, false)
+        .is_err());
+    // With caching off vLLM records nothing; the plain call keeps kvblocks' rule.
+    let mut off = KVCacheManager::new(10, BS, false, None, true).unwrap();
+    off.record_prefix_cache_stats_with(&r, 0, Lookup::default(), false)
+        .unwrap();
+    assert_eq!(
+        off.make_prefix_cache_stats(),
+        Some(PrefixCacheStats::default())
+    );
+    off.record_prefix_cache_stats(&r, 0).unwrap();
+    assert_eq!(off.make_prefix_cache_stats().unwrap().requests, 1);
+}
+
+#[test]
+fn reused_blocks_are_reported_once_from_block_zero() {
+    let mut mgr = manager(10);
+    mgr.enable_kv_cache_events(false);
+    let s = source(13);
+    mgr.allocate_slots(&view("r0", 0, &s), &new_tokens(13))
+        .unwrap();
+    mgr.clear_events();
+    let r1 = view("r1", 0, &s);
+    let (hits, _) = mgr.get_computed_blocks(&r1).unwrap();
+    assert_eq!(hits.len(), 3);
+    mgr.record_cached_block_events(&r1, hits.len()).unwrap();
+    let log = mgr.events();
+    let [EventRecord::Stored(record)] = log.records() else {
+        panic!("one BlockStored, got {:?}", log.records());
+    };
+    assert_eq!(
+        (record.parent, record.first_block, record.group),
+        (None, 0, 0)
+    );
+    assert_eq!(log.stored_hashes(record), &s.hashes[..3]);
+    assert_eq!(log.stored_tokens(record), &s.tokens[..12]);
+    mgr.clear_events();
+    // Past the request's 3 hashes: refused.
+    assert!(mgr.record_cached_block_events(&r1, 4).is_err());
+    assert!(mgr.events().is_empty(), "a failed call records nothing");
+    mgr.record_cached_block_events(&r1, 0).unwrap();
+    assert!(mgr.events().is_empty());
+}
