@@ -1,13 +1,15 @@
 # The native backend (`rust/kvblocks-py`), with the annotations of the pure-Python
 # reference, whose docstrings document every name (`tests/test_parity.py` keeps the two
 # APIs identical; `python -m mypy.stubtest kvblocks._native` checks this stub against
-# the built module). The classes are `PyO3` classes: built by `__new__`, not subclassable,
-# and the dataclass fields of the reference are read-only properties here.
+# the built module). The classes are `PyO3` classes: built by `__new__`, not subclassable
+# (but `KVCacheManager` and `VllmKVCacheManager`), and the dataclass fields of the
+# reference are read-only properties here. `KVCacheBlocks` and `VllmKVCacheManager` are
+# the native half of `kvblocks.vllm`, outside the backend API.
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, SupportsIndex, final
 
-from typing_extensions import Self
+from typing_extensions import Self, disjoint_base
 
 from kvblocks.events import KVCacheEvent as _KVCacheEvent
 from kvblocks.reference.hashing import ExtraKeys as _ExtraKeys
@@ -188,7 +190,7 @@ class PrefixCacheStats:
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
-@final
+@disjoint_base
 class KVCacheManager:
     def __new__(
         cls,
@@ -309,3 +311,71 @@ def handle_failed_recving(
     *,
     policy: str = "fail",
 ) -> InvalidBlocksOutcome: ...
+
+# kvblocks.vllm's native half (not in `__all__`): vLLM 0.33.0's manager surface.
+
+@final
+class KVCacheBlocks:
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None: ...
+    def get_unhashed_block_ids(self) -> list[int]: ...
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]: ...
+    @property
+    def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]: ...
+    def __add__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...
+    def __radd__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...
+    def head(self, num_blocks: int) -> KVCacheBlocks: ...
+    def new_empty(self) -> KVCacheBlocks: ...
+
+@disjoint_base
+class VllmKVCacheManager(KVCacheManager):
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        *,
+        enable_caching: bool = True,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        watermark: float = 0.0,
+        admission_statuses: Sequence[int] = ...,
+    ) -> Self: ...
+    @property
+    def empty_kv_cache_blocks(self) -> KVCacheBlocks: ...
+    @property
+    def watermark_blocks(self) -> int: ...
+    def get_computed_blocks(  # type: ignore[override]
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]: ...
+    def allocate_slots(  # type: ignore[override]
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Sequence[int] | None = None,
+    ) -> KVCacheBlocks | None: ...
+    def free(self, request: Any) -> None: ...
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]: ...
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None: ...
+    def get_blocks(self, request_id: str) -> KVCacheBlocks: ...
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int]]: ...
+    def estimate_cached_tokens(self, request: Any) -> int: ...
+    def num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Iterable[int]
+    ) -> int: ...
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None: ...
+    def take_prefix_cache_counters(
+        self,
+    ) -> tuple[bool, int, int, int, int, int, int] | None: ...

@@ -16,7 +16,9 @@ def require_vllm() -> None:
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(f"kvblocks.vllm needs vLLM 0.33.x, which is not installed: {INSTALL_HINT}") from err
+        raise ImportError(
+            f"kvblocks.vllm needs vLLM 0.33.x, which is not installed: {INSTALL_HINT}"
+        ) from err
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(SUPPORTED_SERIES):
         raise ImportError(

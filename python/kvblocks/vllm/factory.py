@@ -19,7 +19,13 @@ from vllm.v1.kv_cache_interface import (
 
 from kvblocks.vllm.manager import KVCacheManager
 
-__all__ = ["install", "make_kv_cache_manager", "uninstall", "unsupported_reason"]
+__all__ = [
+    "bind_manager_factory",
+    "install",
+    "make_kv_cache_manager",
+    "uninstall",
+    "unsupported_reason",
+]
 
 # A child of vLLM's logger, so the line shows among vLLM's own.
 logger = logging.getLogger("vllm.kvblocks")
@@ -64,7 +70,7 @@ def unsupported_reason(
         return f"{len(groups)} KV cache groups (kvblocks manages exactly one)"
     group = groups[0]
     spec = group.kv_cache_spec
-    if type(spec) not in FULL_ATTENTION_SPECS:
+    if not isinstance(spec, FullAttentionSpec) or type(spec) not in FULL_ATTENTION_SPECS:
         return f"KV cache spec {type(spec).__name__} is not plain full attention"
     if spec.sliding_window is not None or spec.attention_chunk_size is not None:
         return f"KV cache spec {type(spec).__name__} has a sliding window or chunked attention"
@@ -142,7 +148,17 @@ def _installed_factory(**kwargs: Any) -> KVCacheManager | VllmKVCacheManager:
     return make_kv_cache_manager(**kwargs, vllm_config=getattr(caller, "vllm_config", None))
 
 
-#: What ``scheduler_module.KVCacheManager`` was before :func:`install`.
+def bind_manager_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Binds the name the Scheduler builds its manager with
+    (``vllm.v1.core.sched.scheduler.KVCacheManager``) to ``factory``; returns what it
+    was bound to."""
+    namespace = vars(scheduler_module)
+    saved: Callable[..., Any] = namespace["KVCacheManager"]
+    namespace["KVCacheManager"] = factory
+    return saved
+
+
+#: What the Scheduler's name was bound to before :func:`install`.
 _saved: list[Callable[..., Any]] = []
 
 
@@ -150,13 +166,12 @@ def install() -> None:
     """Makes every ``vllm.v1.core.sched.scheduler.Scheduler`` built from now on use
     kvblocks' manager where supported (rebinds that module's ``KVCacheManager``).
     Idempotent."""
-    if scheduler_module.KVCacheManager is _installed_factory:
+    if vars(scheduler_module)["KVCacheManager"] is _installed_factory:
         return
-    _saved[:] = [scheduler_module.KVCacheManager]
-    scheduler_module.KVCacheManager = _installed_factory  # type: ignore[misc,assignment]
+    _saved[:] = [bind_manager_factory(_installed_factory)]
 
 
 def uninstall() -> None:
     """Undoes :func:`install`. Idempotent."""
-    if scheduler_module.KVCacheManager is _installed_factory:
-        scheduler_module.KVCacheManager = _saved.pop() if _saved else VllmKVCacheManager  # type: ignore[misc]
+    if vars(scheduler_module)["KVCacheManager"] is _installed_factory:
+        bind_manager_factory(_saved.pop() if _saved else VllmKVCacheManager)

@@ -117,7 +117,7 @@ class KVCacheCoordinator:
         self.single_type_managers = (SingleTypeManager(spec, block_pool),)
         self.eagle_group_ids: set[int] = set()
 
-    def get_num_blocks_to_allocate(
+    def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
         self,
         request_id: str,
         num_tokens: int,
@@ -140,7 +140,7 @@ class KVCacheManager(VllmKVCacheManager):
     :func:`kvblocks.vllm.make_kv_cache_manager`, which falls back to vLLM's manager
     for configurations this one does not support."""
 
-    def __new__(
+    def __new__(  # noqa: PLR0917 (vLLM's signature)
         cls,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
@@ -188,7 +188,7 @@ class KVCacheManager(VllmKVCacheManager):
             admission_statuses=list(ADMISSION_STATUSES),
         )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 (vLLM's signature)
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
@@ -223,8 +223,8 @@ class KVCacheManager(VllmKVCacheManager):
         self._vllm_block_pool = pool
         self.coordinator = KVCacheCoordinator(self, spec, pool)
 
-    @property  # type: ignore[override]
-    def block_pool(self) -> BlockPool:
+    @property
+    def block_pool(self) -> BlockPool:  # type: ignore[override]
         """vLLM's ``BlockPool`` members, on the manager's pool."""
         return self._vllm_block_pool
 
@@ -244,7 +244,7 @@ class KVCacheManager(VllmKVCacheManager):
         """The first ``num_computed_tokens`` tokens' blocks of a lookup result."""
         return blocks.head(num_computed_tokens // self.block_size)
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:  # type: ignore[override]
         """The prefix-cache stats since the last call (then reset), or None."""
         counters = self.take_prefix_cache_counters()
         if counters is None:

@@ -16,13 +16,12 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks import _native
-from kvblocks.vllm.factory import make_kv_cache_manager
+from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
 from kvblocks.vllm.manager import KVCacheManager
 
 __all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode"]
@@ -61,14 +60,11 @@ class _KVBlocksScheduling:
         self._rollback_mode = rollback_mode()
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         with _swap_lock:
-            saved = scheduler_module.KVCacheManager
-            scheduler_module.KVCacheManager = partial(  # type: ignore[misc,assignment]
-                make_kv_cache_manager, vllm_config=vllm_config
-            )
+            saved = bind_manager_factory(partial(make_kv_cache_manager, vllm_config=vllm_config))
             try:
                 super().__init__(*args, **kwargs)
             finally:
-                scheduler_module.KVCacheManager = saved  # type: ignore[misc]
+                bind_manager_factory(saved)
 
     def _update_requests_with_invalid_blocks(
         self,
@@ -126,8 +122,7 @@ class _KVBlocksScheduling:
         num_affected = len(outcome.rescheduled_req_ids) + len(outcome.retry_req_ids)
         if num_affected:
             logger.warning(
-                "Recovered from KV load failure: "
-                "%d request(s) rescheduled (%d tokens affected).",
+                "Recovered from KV load failure: %d request(s) rescheduled (%d tokens affected).",
                 num_affected,
                 outcome.total_affected_tokens,
             )

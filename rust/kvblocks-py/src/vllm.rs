@@ -163,7 +163,10 @@ impl PyKVCacheBlocks {
     /// Args:
     ///     allow_none: Return ``None`` when every selected group is empty.
     ///     group_ids: The groups to include (only group 0 exists); all by default.
-    #[pyo3(signature = (allow_none=Flag::FALSE, *, group_ids=None))]
+    #[pyo3(
+        signature = (allow_none=Flag::FALSE, *, group_ids=None),
+        text_signature = "(self, allow_none=False, *, group_ids=None)"
+    )]
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
@@ -375,10 +378,14 @@ fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 #[pymethods]
 impl PyVllmManager {
     #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE, log_stats=Flag::FALSE,
-        enable_kv_cache_events=Flag::FALSE, watermark=0.0, admission_statuses=Vec::new()
-    ))]
+    #[pyo3(
+        signature = (
+            num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE,
+            log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
+            admission_statuses=Vec::new()
+        ),
+        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses=...)"
+    )]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         py: Python<'_>,
@@ -469,12 +476,16 @@ impl PyVllmManager {
     /// Returns:
     ///     The newly allocated blocks, or ``None`` (nothing changed) when they do not
     ///     fit.
-    #[pyo3(signature = (
-        request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
-        num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=Flag::FALSE,
-        num_encoder_tokens=0, full_sequence_must_fit=Flag::FALSE, reserved_blocks=0,
-        has_scheduled_reqs=Flag::TRUE, skip_zeroing_group_ids=None
-    ))]
+    #[pyo3(
+        signature = (
+            request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+            num_lookahead_tokens=0, num_external_computed_tokens=0,
+            delay_cache_blocks=Flag::FALSE, num_encoder_tokens=0,
+            full_sequence_must_fit=Flag::FALSE, reserved_blocks=0, has_scheduled_reqs=Flag::TRUE,
+            skip_zeroing_group_ids=None
+        ),
+        text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=None)"
+    )]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
