@@ -395,6 +395,7 @@ fn absurdly_large_ids_use_the_hash_set_and_stay_exact() {
         affected: vec![0, 1, 2],
         total_affected_tokens: 1 + 2,
         blocks_to_evict: vec![3, 1 << 26, big + 1],
+        eviction_tails: vec![(0, 2), (2, 0)],
     };
     assert_eq!(got, Ok(expected));
 }
@@ -417,7 +418,13 @@ fn a_deeper_shared_block_marked_after_truncation_does_not_truncate_later_request
             affected: vec![0, 1],
             total_affected_tokens: 4 + 2,
             blocks_to_evict: vec![2, 10, 20],
+            eviction_tails: vec![(0, 1)],
         })
+    );
+    // vLLM's set is built from each truncated request's tail, in request order.
+    assert_eq!(
+        vllm.as_ref().unwrap().eviction_sequence(&tables),
+        [10, 20, 2]
     );
     let strict = rollback_invalid_blocks(batch, &[10, 20], 2, true, Mode::Strict);
     assert_eq!(
@@ -427,6 +434,11 @@ fn a_deeper_shared_block_marked_after_truncation_does_not_truncate_later_request
             affected: vec![0, 1],
             total_affected_tokens: 4 + 2,
             blocks_to_evict: vec![2, 4, 10, 20],
+            eviction_tails: vec![(0, 1), (1, 1)],
         })
+    );
+    assert_eq!(
+        strict.unwrap().eviction_sequence(&tables),
+        [10, 20, 2, 20, 4]
     );
 }

@@ -417,6 +417,16 @@ fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
     rollback::check_single_group(num_kv_cache_groups(manager)?).py()
 }
 
+/// The Python set vLLM builds from `ids` (added in this order): its iteration order,
+/// which vLLM evicts in, depends on the order of insertion.
+fn vllm_set<'py>(py: Python<'py>, ids: &[i64]) -> PyResult<Bound<'py, PySet>> {
+    let set = PySet::empty(py)?;
+    for &id in ids {
+        set.add(id)?;
+    }
+    Ok(set)
+}
+
 /// vLLM's ``Scheduler._update_requests_with_invalid_blocks``.
 ///
 /// Args:
@@ -473,9 +483,10 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let result =
         rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks.0, mode)
             .py()?;
+    let sequence = result.eviction_sequence(&ids);
     drop(native);
+    let to_evict = vllm_set(py, &sequence)?;
     let affected = cols.apply(&result)?;
-    let to_evict = PySet::new(py, &result.blocks_to_evict)?;
     Ok((affected, result.total_affected_tokens, to_evict))
 }
 
@@ -572,17 +583,24 @@ pub fn handle_invalid_blocks<'py>(
         mode,
     )
     .py()?;
+    let sequence = outcome.eviction_sequence(&sync_ids);
     drop(native);
 
-    // Evict first: if the manager refuses, no request has been changed yet.
+    // Evict first: if the manager refuses, no request has been changed yet. The ids go
+    // in the order vLLM evicts them (its set's), so the removal events come out alike.
     let evicted = outcome.evicted_block_ids();
     if !evicted.is_empty() {
+        let to_evict = vllm_set(py, &sequence)?;
         match kv_cache_manager.cast::<PyKVCacheManager>() {
             Ok(native) => {
-                native.try_borrow_mut()?.inner.evict_blocks(evicted).py()?;
+                let order = to_evict
+                    .iter()
+                    .map(|id| id.extract())
+                    .collect::<PyResult<Vec<i64>>>()?;
+                native.try_borrow_mut()?.inner.evict_blocks(&order).py()?;
             }
             Err(_) => {
-                kv_cache_manager.call_method1("evict_blocks", (PySet::new(py, evicted)?,))?;
+                kv_cache_manager.call_method1("evict_blocks", (to_evict,))?;
             }
         }
     }

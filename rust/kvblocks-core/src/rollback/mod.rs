@@ -209,6 +209,28 @@ pub struct Rollback {
     /// Block ids to evict from the prefix cache, sorted and unique; empty unless
     /// evictions were collected.
     pub blocks_to_evict: Vec<i64>,
+    /// `(request index, first block index)` of each tail collected for eviction, in
+    /// collection order (see [`Rollback::eviction_sequence`]).
+    pub eviction_tails: Vec<(usize, usize)>,
+}
+
+impl Rollback {
+    /// The ids in the order vLLM adds them to its `blocks_to_evict` set
+    /// (`update(req_block_ids[idx:])` per truncated request, duplicates included).
+    /// vLLM evicts by iterating that set, so a caller that must emit the evictions'
+    /// events in vLLM's order rebuilds the set from this sequence.
+    pub fn eviction_sequence<B: BlockTable>(&self, tables: &[B]) -> Vec<i64> {
+        let mut out = Vec::new();
+        for &(i, idx) in &self.eviction_tails {
+            match tables.get(i).map(|t| t.block_ids()) {
+                Some(BlockIds::I64(ids)) => out.extend(ids.iter().skip(idx)),
+                Some(BlockIds::I32(ids)) => out.extend(ids.iter().skip(idx).map(|&b| i64::from(b))),
+                Some(BlockIds::U32(ids)) => out.extend(ids.iter().skip(idx).map(|&b| i64::from(b))),
+                None => {}
+            }
+        }
+        out
+    }
 }
 
 /// Rolls a batch of requests back past the blocks in `invalid_block_ids`.
@@ -274,6 +296,9 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
             Scan::Unaffected => continue,
             // Block-aligned; idx < cdiv(before, bs), so 0 <= new < before.
             Scan::Truncated { idx } => {
+                if collect_evictions {
+                    out.eviction_tails.push((i, idx));
+                }
                 let new = to_i64(idx as u64 * block_size);
                 (new, before - new)
             }
@@ -345,6 +370,16 @@ impl InvalidBlocksOutcome {
     /// vLLM's `failed_recving_kv_req_ids`).
     pub fn retry_waiting(&self) -> &[usize] {
         self.if_policy(Policy::Recompute, &self.waiting.affected)
+    }
+
+    /// [`Rollback::eviction_sequence`] of the blocks [`InvalidBlocksOutcome::evicted_block_ids`]
+    /// names, for the running batch's `tables`.
+    pub fn eviction_sequence<B: BlockTable>(&self, tables: &[B]) -> Vec<i64> {
+        if evicts(self.policy, self.mode) {
+            self.running.eviction_sequence(tables)
+        } else {
+            Vec::new()
+        }
     }
 
     /// Blocks the caller must evict: the sync pass's under `fail`; under `recompute`,
