@@ -11,13 +11,14 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
+use hashbrown::HashMap;
 use kvblocks_core::manager::{HashSource, Lookup, RequestView, SlotRequest};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence, PyTuple};
-use rustc_hash::FxHashMap;
+use pyo3::types::{PyList, PySequence, PyString, PyTuple};
+use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, Flag};
 use crate::errors::{IntoPyResult, StashedError};
@@ -78,7 +79,7 @@ impl HashSource for CachedHashes<'_, '_> {
 
 /// What the manager reads of a vLLM `Request`, read once per call.
 struct VllmRequest<'py> {
-    request_id: String,
+    request_id: Bound<'py, PyString>,
     num_tokens: i64,
     num_computed_tokens: i64,
     block_hashes: HashSeq<'py>,
@@ -94,7 +95,9 @@ impl<'py> VllmRequest<'py> {
                 .cast_into::<PySequence>()?,
         );
         Ok(Self {
-            request_id: request_id(request)?,
+            request_id: request
+                .getattr(intern!(py, "request_id"))?
+                .cast_into::<PyString>()?,
             num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
             num_computed_tokens: request
                 .getattr(intern!(py, "num_computed_tokens"))?
@@ -282,7 +285,7 @@ impl PyKVCacheBlocks {
 )]
 pub struct PyVllmManager {
     /// Each known request's block hashes converted so far.
-    hashes: FxHashMap<String, Vec<BlockHash>>,
+    hashes: HashMap<String, Vec<BlockHash>, FxBuildHasher>,
     admission_statuses: Vec<i64>,
     /// The result with no blocks, handed out whenever nothing was allocated or hit.
     empty: Py<PyKVCacheBlocks>,
@@ -290,12 +293,11 @@ pub struct PyVllmManager {
 
 impl PyVllmManager {
     /// Runs `f` on the core manager with a view of `request` whose hashes come from
-    /// its cache entry (kept afterwards unless `forget`), and `tokens` attached for
-    /// events. Python errors met while reading come back as they were.
+    /// its cache entry, and `tokens` attached for events. Python errors met while
+    /// reading come back as they were.
     fn with_request<T>(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        forget: bool,
         f: impl FnOnce(
             &mut PyKVCacheManager,
             &RequestTokens<'_>,
@@ -303,34 +305,30 @@ impl PyVllmManager {
         ) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
         let req = VllmRequest::read(request)?;
+        let id = req.request_id.to_str()?;
         let mut this = slf.try_borrow_mut()?;
-        let (key, mut cache) = this
-            .hashes
-            .remove_entry(req.request_id.as_str())
-            .unwrap_or_else(|| (req.request_id, Vec::new()));
+        // Out of the manager while the base is borrowed; moving a map copies 3 words.
+        let mut caches = std::mem::take(&mut this.hashes);
+        let cache = caches.entry_ref(id).or_default();
         cache.truncate(req.num_hashes);
-        let result = {
-            let hashes = CachedHashes {
-                seq: req.block_hashes,
-                len: req.num_hashes,
-                cache: RefCell::new(&mut cache),
-                error: StashedError::default(),
-            };
-            let base: &mut PyKVCacheManager = &mut *this.as_super();
-            let tokens = RequestTokens::new(base.events.as_ref(), request);
-            let before = base.inner.events().len();
-            let view = RequestView {
-                request_id: &key,
-                num_tokens: req.num_tokens,
-                num_computed_tokens: req.num_computed_tokens,
-                block_hashes: &hashes as &dyn HashSource,
-            };
-            let result = hashes.finish(tokens.run(&view, |view| f(base, &tokens, view)));
-            tokens.finish(result, base.events.as_mut(), base.inner.events(), before)
+        let hashes = CachedHashes {
+            seq: req.block_hashes,
+            len: req.num_hashes,
+            cache: RefCell::new(cache),
+            error: StashedError::default(),
         };
-        if !forget {
-            this.hashes.insert(key, cache);
-        }
+        let base: &mut PyKVCacheManager = &mut *this.as_super();
+        let tokens = RequestTokens::new(base.events.as_ref(), request);
+        let before = base.inner.events().len();
+        let view = RequestView {
+            request_id: id,
+            num_tokens: req.num_tokens,
+            num_computed_tokens: req.num_computed_tokens,
+            block_hashes: &hashes as &dyn HashSource,
+        };
+        let result = hashes.finish(tokens.run(&view, |view| f(base, &tokens, view)));
+        let result = tokens.finish(result, base.events.as_mut(), base.inner.events(), before);
+        this.hashes = caches;
         result
     }
 
@@ -417,7 +415,7 @@ impl PyVllmManager {
             },
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(Self {
-            hashes: FxHashMap::default(),
+            hashes: HashMap::default(),
             admission_statuses,
             empty,
         }))
@@ -461,7 +459,7 @@ impl PyVllmManager {
             && request
                 .getattr_opt(intern!(py, "kv_cache_report_mode"))?
                 .is_some_and(|mode| mode.eq("full").unwrap_or(false));
-        let (hits, tokens) = Self::with_request(slf, request, false, |base, _, view| {
+        let (hits, tokens) = Self::with_request(slf, request, |base, _, view| {
             let (hits, tokens) = base.inner.get_computed_blocks_with(view, lookup)?;
             if full_report {
                 base.inner.record_cached_block_events(view, hits.len())?;
@@ -530,7 +528,7 @@ impl PyVllmManager {
             has_scheduled_reqs: has_scheduled_reqs.0,
             admitting,
         };
-        let allocated = Self::with_request(slf, request, false, |base, _, view| {
+        let allocated = Self::with_request(slf, request, |base, _, view| {
             base.inner.allocate_slots(view, &slots)
         })?;
         allocated.map(|ids| Self::blocks_of(slf, ids)).transpose()
@@ -570,7 +568,7 @@ impl PyVllmManager {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        Self::with_request(slf, request, false, |base, _, view| {
+        Self::with_request(slf, request, |base, _, view| {
             base.inner.cache_blocks(view, num_computed_tokens)
         })
     }
@@ -641,7 +639,7 @@ impl PyVllmManager {
             .getattr_opt(intern!(py, "num_preemptions"))?
             .map_or(Ok(0), |n| n.extract::<i64>())?
             > 0;
-        Self::with_request(slf, request, false, |base, _, view| {
+        Self::with_request(slf, request, |base, _, view| {
             base.inner
                 .record_prefix_cache_stats_with(view, num_hits, lookup, preempted)
         })
