@@ -24,7 +24,7 @@ from kvblocks import _native
 from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
 from kvblocks.vllm.manager import KVCacheManager
 
-__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode"]
+__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "in_vllm_order", "rollback_mode"]
 
 logger = logging.getLogger("vllm.kvblocks")
 
@@ -44,6 +44,13 @@ def rollback_mode() -> str:
             "unset it for vLLM's semantics"
         )
     return mode
+
+
+def in_vllm_order(requests: Iterable[Request], req_ids: set[str]) -> set[str]:
+    """The ids of ``requests`` in ``req_ids`` as the set vLLM builds, one ``add`` per
+    request in iteration order: a set of strings iterates in an order that depends on
+    the order of insertion, and the Scheduler frees and reports requests in it."""
+    return {req.request_id for req in requests if req.request_id in req_ids}
 
 
 class _KVBlocksScheduling:
@@ -110,24 +117,27 @@ class _KVBlocksScheduling:
             mode=self._rollback_mode,
         )
         if not recompute:
-            if outcome.failed_req_ids:
+            failed = outcome.failed_req_ids
+            all_failed = in_vllm_order(waiting, failed) | in_vllm_order(self.running, failed)
+            if all_failed:
                 logger.error(
                     "Failing %d request(s) due to KV load failure "
                     "(failure_policy=fail, %d tokens affected). Request IDs: %s",
-                    len(outcome.failed_req_ids),
+                    len(all_failed),
                     outcome.total_affected_tokens,
-                    outcome.failed_req_ids,
+                    all_failed,
                 )
-            return outcome.failed_req_ids
-        num_affected = len(outcome.rescheduled_req_ids) + len(outcome.retry_req_ids)
-        if num_affected:
+            return all_failed
+        retry = in_vllm_order(waiting, outcome.retry_req_ids)
+        rescheduled = in_vllm_order(self.running, outcome.rescheduled_req_ids)
+        if retry or rescheduled:
             logger.warning(
                 "Recovered from KV load failure: %d request(s) rescheduled (%d tokens affected).",
-                num_affected,
+                len(retry) + len(rescheduled),
                 outcome.total_affected_tokens,
             )
-        self.failed_recving_kv_req_ids |= outcome.retry_req_ids
-        return outcome.rescheduled_req_ids
+        self.failed_recving_kv_req_ids |= retry
+        return rescheduled
 
 
 class KVBlocksScheduler(_KVBlocksScheduling, Scheduler):

@@ -350,9 +350,11 @@ impl<'py> RequestColumns<'py> {
             .map(ToString::to_string)
     }
 
-    /// Writes the decided counts of the affected requests; returns their ids.
-    fn apply(&self, result: &Rollback) -> PyResult<HashSet<String>> {
-        let mut affected = HashSet::with_capacity(result.affected.len());
+    /// Writes the decided counts of the affected requests; returns their ids as the
+    /// set vLLM builds, added in iteration order (a set's iteration order depends on
+    /// it, and vLLM's scheduler frees and reports requests in that order).
+    fn apply(&self, py: Python<'py>, result: &Rollback) -> PyResult<Bound<'py, PySet>> {
+        let affected = PySet::empty(py)?;
         for &i in &result.affected {
             let (Some(request), Some(value)) =
                 (self.requests.get(i), result.num_computed_tokens.get(i))
@@ -360,7 +362,7 @@ impl<'py> RequestColumns<'py> {
                 continue;
             };
             request.setattr("num_computed_tokens", *value)?;
-            affected.insert(self.ids[i].to_string());
+            affected.add(&*self.ids[i])?;
         }
         Ok(affected)
     }
@@ -461,7 +463,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     num_scheduled_tokens: &Bound<'py, PyAny>,
     evict_blocks: Flag,
     mode: ModeArg,
-) -> PyResult<(HashSet<String>, u128, Bound<'py, PySet>)> {
+) -> PyResult<(Bound<'py, PySet>, u128, Bound<'py, PySet>)> {
     let mode = mode.get()?;
     check_single_group(kv_cache_manager)?;
     let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
@@ -486,7 +488,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let sequence = result.eviction_sequence(&ids);
     drop(native);
     let to_evict = vllm_set(py, &sequence)?;
-    let affected = cols.apply(&result)?;
+    let affected = cols.apply(py, &result)?;
     Ok((affected, result.total_affected_tokens, to_evict))
 }
 
@@ -604,8 +606,8 @@ pub fn handle_invalid_blocks<'py>(
             }
         }
     }
-    waiting.apply(&outcome.waiting)?;
-    sync.apply(&outcome.running)?;
+    waiting.apply(py, &outcome.waiting)?;
+    sync.apply(py, &outcome.running)?;
     Ok(PyInvalidBlocksOutcome {
         failed_req_ids: waiting
             .ids_of(outcome.failed_waiting())
