@@ -108,3 +108,76 @@ def test_a_failing_vllm_run_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatc
     table = markdown_table([result]).splitlines()
     assert table[2].endswith("| failed² |")
     assert table[-1] == "² vLLM's run failed: tiny: RuntimeError: no such scheduler method."
+
+
+def test_a_workload_without_reference_shows_only_native_and_vllm() -> None:
+    """The vllm_scheduler group: kvblocks' manager (native) against vLLM's, no reference."""
+    result = BenchResult(
+        "vllm_scheduler_256", "vllm scheduler", "scheduler step", 100, "step", [], [0.2], [0.4]
+    )
+    assert result.python_per_op is None and result.ratio is None
+    assert result.vllm_ratio == pytest.approx(2.0)
+    row = markdown_table([result]).splitlines()[2]
+    assert row == (
+        "| `vllm_scheduler_256` | scheduler step | — | 2.00 ms / step | — "
+        "| 4.00 ms / step (native 2.0x) |"
+    )
+
+
+def test_self_timed_workload_without_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A self-timed run's own seconds are recorded (not the call's), its result is what
+    ``check`` gets, and the reference backend does not run a workload without one."""
+    checked: list[object] = []
+    backends: list[str] = []
+
+    def setup(backend: ModuleType) -> str:
+        backends.append(backend.__name__)
+        return "state"
+
+    workload = Workload(
+        name="tiny",
+        group="tiny",
+        description="a self-timed workload",
+        ops=1,
+        op_name="step",
+        setup=setup,
+        run=lambda backend, state: (0.25, "native result"),
+        check=lambda state, result: checked.append(result),
+        vllm_setup=lambda: None,
+        vllm_run=lambda state: (0.5, "vLLM result"),
+        has_reference=False,
+        self_timed=True,
+    )
+    monkeypatch.setattr(vllm_runner, "available", lambda: True)
+    (result,) = bench.run([WorkloadSpec("tiny", lambda: workload)], rounds=2, progress=None)
+    assert backends == ["kvblocks._native", "kvblocks._native"]
+    assert checked == ["native result", "native result"]
+    assert result.python_s == []
+    assert result.rust_s == [0.25, 0.25]
+    assert result.vllm_s == [0.5, 0.5]
+    assert result.vllm_ratio == pytest.approx(2.0)
+
+
+def test_absent_scheduler_group_says_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvblocks.bench import vllm_scheduler
+
+    monkeypatch.setattr(vllm_scheduler, "available", lambda: False)
+    monkeypatch.setattr(vllm_scheduler, "status", lambda: "vLLM is not importable here (test)")
+    assert vllm_scheduler.workload_specs(quick=True) == []
+    assert bench.main(["vllm_scheduler"], quick=True, rounds=1, out=None) == 2
+    err = capsys.readouterr().err
+    assert "no workload matches vllm_scheduler" in err
+    assert "the vllm_scheduler group is absent: vLLM is not importable here (test)" in err
+
+
+def test_scheduler_agreement_names_the_first_differing_step() -> None:
+    from kvblocks.bench.vllm_scheduler import _Agreement
+
+    agreement = _Agreement("vllm_scheduler_64")
+    first = [(("r0", 16), ("r1", 1)), (("r0", 1),)]
+    agreement.check("kvblocks' manager", first)
+    agreement.check("vLLM's manager", list(first))
+    with pytest.raises(AssertionError, match="differently from kvblocks' manager at step 1 of 2"):
+        agreement.check("vLLM's manager", [first[0], (("r0", 2),)])

@@ -79,15 +79,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser(
         "bench",
         help="time every workload on both backends, side by side, in one process "
-        "(and on vLLM's own code when vLLM is installed)",
+        "(and on vLLM's own code when vLLM is installed; with kvblocks.vllm too, vLLM's "
+        "Scheduler step with kvblocks' KV cache manager against its own: the "
+        "vllm_scheduler group)",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller sizes, 3 rounds (< 1 min)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes, fewer scheduler steps, 3 rounds (< 1 min without vLLM)",
+    )
     bench.add_argument(
         "--workload",
         action="append",
         default=[],
         metavar="NAME",
-        help="run only workloads whose name starts with NAME (repeatable)",
+        help="run only workloads whose name starts with NAME (repeatable), e.g. vllm_scheduler",
     )
     bench.add_argument(
         "--rounds", type=_positive_int, default=None, help="rounds per workload (at least 1)"

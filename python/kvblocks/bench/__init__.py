@@ -3,7 +3,10 @@
 Both backends (and vLLM's own code, when it is installed and the workload has a
 counterpart) run each workload in the same process, interleaved round by round, so a
 noisy machine slows them alike and the ratios (reference or vLLM time / native time)
-hold.
+hold. The ``vllm_scheduler`` group (:mod:`kvblocks.bench.vllm_scheduler`, present when
+vLLM and ``kvblocks.vllm`` import) times vLLM's own Scheduler step with kvblocks'
+manager (the native column) and with vLLM's (the vLLM column); it has no reference
+column.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, TextIO
 
 from kvblocks import load_backend
 from kvblocks._output import format_seconds, headless_pyplot, progress_bar
-from kvblocks.bench import vllm_runner
+from kvblocks.bench import vllm_runner, vllm_scheduler
 from kvblocks.bench.workloads import Workload, WorkloadSpec, all_workloads
 
 __all__ = ["BenchResult", "run", "vllm_status"]
@@ -30,7 +33,12 @@ __all__ = ["BenchResult", "run", "vllm_status"]
 
 @dataclass(frozen=True, slots=True)
 class BenchResult:
-    """Timings of one workload on both backends (seconds per run, all rounds)."""
+    """Timings of one workload on both backends (seconds per run, all rounds).
+
+    ``python_s`` is empty for a workload the reference backend does not run
+    (``Workload.has_reference``): the ``vllm_scheduler`` group compares kvblocks'
+    manager with vLLM's inside vLLM's own scheduler.
+    """
 
     name: str
     group: str
@@ -47,9 +55,9 @@ class BenchResult:
     vllm_error: str | None = None
 
     @property
-    def python_per_op(self) -> float:
-        """Median reference time per operation, in seconds."""
-        return statistics.median(self.python_s) / self.ops
+    def python_per_op(self) -> float | None:
+        """Median reference time per operation, in seconds, when the reference ran."""
+        return statistics.median(self.python_s) / self.ops if self.python_s else None
 
     @property
     def rust_per_op(self) -> float:
@@ -69,8 +77,11 @@ class BenchResult:
         return statistics.median(self.vllm_s) / statistics.median(self.rust_s)
 
     @property
-    def ratio(self) -> float:
-        """How many times faster the native backend is (median over median)."""
+    def ratio(self) -> float | None:
+        """How many times faster the native backend is than the reference (median over
+        median), when the reference ran."""
+        if not self.python_s:
+            return None
         return statistics.median(self.python_s) / statistics.median(self.rust_s)
 
 
@@ -111,8 +122,10 @@ def _time_once(workload: Workload, backend: ModuleType) -> float:
     elapsed, state, result = _timed(
         lambda: workload.setup(backend), lambda state: workload.run(backend, state)
     )
+    if workload.self_timed:
+        elapsed, result = result
     workload.check(state, result)
-    return elapsed
+    return float(elapsed)
 
 
 def run(
@@ -139,13 +152,16 @@ def run(
             if progress is not None:
                 _progress(i * rounds + r, total, workload.name, progress)
             for name, backend in backends.items():
+                if name == "python" and not workload.has_reference:
+                    continue
                 times[name].append(_time_once(workload, backend))
             if with_vllm and workload.has_vllm and vllm_error is None:
                 assert workload.vllm_setup is not None and workload.vllm_run is not None
                 try:
                     # Its results are checked against the reference's in
                     # benches/test_vllm_column.py.
-                    times["vllm"].append(_timed(workload.vllm_setup, workload.vllm_run)[0])
+                    elapsed, _, result = _timed(workload.vllm_setup, workload.vllm_run)
+                    times["vllm"].append(result[0] if workload.self_timed else elapsed)
                 except Exception as exc:  # vLLM's failure is reported, not fatal
                     vllm_error = f"{type(exc).__name__}: {exc}"
                     times["vllm"].clear()
@@ -191,9 +207,16 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
             vllm, absent = "absent¹", True
         else:
             vllm = "—"
+        python_per_op, ratio = r.python_per_op, r.ratio
+        reference, speed_up = "—", "—"
+        if python_per_op is not None and ratio is not None:
+            reference, speed_up = (
+                f"{format_seconds(python_per_op)} / {r.op_name}",
+                f"**{ratio:.1f}x**",
+            )
         lines.append(
-            f"| `{r.name}` | {r.description} | {format_seconds(r.python_per_op)} / {r.op_name} "
-            f"| {format_seconds(r.rust_per_op)} / {r.op_name} | **{r.ratio:.1f}x** | {vllm} |"
+            f"| `{r.name}` | {r.description} | {reference} "
+            f"| {format_seconds(r.rust_per_op)} / {r.op_name} | {speed_up} | {vllm} |"
         )
     if absent:
         lines += ["", f"¹ {vllm_status()}."]
@@ -210,6 +233,7 @@ def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "vllm": vllm_status(),
+        "vllm_scheduler": vllm_scheduler.status(),
     }
     payload = {
         "meta": meta,
@@ -229,17 +253,18 @@ def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
     written[0].write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     written[1].write_text(markdown_table(results) + "\n", encoding="utf-8")
     plt = headless_pyplot()
-    if plt is None:
+    ratios = [(r.name, r.ratio) for r in results if r.ratio is not None]
+    if plt is None or not ratios:
         return written
-    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(results)))
-    names = [r.name for r in results]
-    ax.barh(names, [r.ratio for r in results], color="#c0504d")
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(ratios)))
+    names = [name for name, _ in ratios]
+    ax.barh(names, [ratio for _, ratio in ratios], color="#c0504d")
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("native speed-up over the pure-Python reference (log scale)")
     ax.invert_yaxis()
-    for y, r in enumerate(results):
-        ax.text(r.ratio, y, f" {r.ratio:.1f}x", va="center")
+    for y, (_, ratio) in enumerate(ratios):
+        ax.text(ratio, y, f" {ratio:.1f}x", va="center")
     fig.tight_layout()
     png = out_dir / "results.png"
     fig.savefig(png, dpi=120)
@@ -255,14 +280,25 @@ def main(names: Sequence[str], quick: bool, rounds: int | None, out: Path | None
     selected = [
         w for w in available.values() if not prefixes or any(w.name.startswith(p) for p in prefixes)
     ]
+    # The vllm_scheduler group, when asked for (or everything is) but absent: say why.
+    group = vllm_scheduler.GROUP
+    absent = None
+    if not vllm_scheduler.available() and (
+        not prefixes or any(group.startswith(p) or p.startswith(group) for p in prefixes)
+    ):
+        absent = f"the {group} group is absent: {vllm_scheduler.status()}"
     if not selected:
         sys.stderr.write(
             f"kvblocks bench: no workload matches {', '.join(prefixes)}; "
             f"available: {', '.join(available)}\n"
         )
+        if absent is not None:
+            sys.stderr.write(f"kvblocks bench: {absent}\n")
         return 2
     results = run(selected, rounds or (3 if quick else 7))
     print(markdown_table(results))
+    if absent is not None:
+        print(f"\n{absent[0].upper()}{absent[1:]}.")
     if out is not None:
         for path in write_outputs(results, out):
             print(f"wrote {path}")

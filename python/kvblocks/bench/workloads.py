@@ -38,6 +38,10 @@ class Workload:
             (:mod:`kvblocks.bench.vllm_runner`), not timed; None when vLLM has no
             counterpart.
         vllm_run: ``vllm_run(state) -> result``: the timed part on vLLM.
+        has_reference: Whether the reference backend runs it (False: the native column
+            only, against vLLM's; ``setup`` and ``run`` then ignore their backend).
+        self_timed: Whether ``run`` and ``vllm_run`` time themselves and return
+            ``(seconds, result)``: for a timed region narrower than the whole call.
     """
 
     name: str
@@ -50,6 +54,8 @@ class Workload:
     check: Callable[[Any, Any], None]
     vllm_setup: Callable[[], Any] | None = None
     vllm_run: Callable[[Any], Any] | None = None
+    has_reference: bool = True
+    self_timed: bool = False
 
     @property
     def has_vllm(self) -> bool:
@@ -618,4 +624,8 @@ def all_workloads(quick: bool = False) -> list[WorkloadSpec]:
     out += [_spec(f"rollback_10000_{i}", rollback, 10_000, i) for i in inputs]
     n = 256 if quick else 1_024
     out.append(_spec(f"rollback_manager_{n}", rollback_manager, n))
+    # vLLM's Scheduler with kvblocks' manager and with its own: only when both import.
+    from kvblocks.bench import vllm_scheduler
+
+    out += vllm_scheduler.workload_specs(quick)
     return out

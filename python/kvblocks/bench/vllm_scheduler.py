@@ -1,0 +1,580 @@
+"""The ``vllm_scheduler`` group of ``kvblocks bench``: vLLM's own ``Scheduler``, step for step,
+with vLLM's KV cache manager and with kvblocks' (``kvblocks.vllm.KVBlocksScheduler``).
+
+Both schedulers are vLLM 0.33.0's real ``Scheduler`` class, built in this process from a
+directory holding only a ``config.json`` (no model, no tokenizer), and driven as the
+synchronous engine drives them: ``add_request`` for arrivals, then each step
+``schedule()``, a fake ``ModelRunnerOutput`` and ``update_from_output()``. Only the two
+scheduler calls are timed (``perf_counter`` around each, summed): the requests, their
+block hashes and the model outputs are made between them.
+
+The load (seeded; both schedulers replay it exactly):
+
+* ``N`` requests in the system at all times (64, 256 or 1,024): a shared 1,024-token
+  system prompt, then 64-2,048 random tokens of their own, 32-256 output tokens
+  (``ignore_eos``); every finished request is replaced by the next one before the
+  following step, so admissions go on while most requests decode.
+* 65,536 blocks of 16 tokens, 8,192 batched tokens a step, chunked prefill, prefix
+  caching on, ``max_num_seqs`` at least ``N``. At 1,024 requests the pool holds about
+  900 of them at once; the rest wait, as in a saturated server.
+* Each round builds both schedulers afresh and warms them up until half as many
+  requests as ``N`` have been replaced after the first ``N`` (the pool filled, a
+  decode-dominated mix with ongoing admissions), then times a fixed number of steps.
+* The ``kv_load`` variant adds a fake KV connector (:data:`CONNECTOR_CLASS`, loaded by
+  vLLM from this module): every fourth request loads up to 256 tokens past its local
+  prefix hit synchronously, and every fifth step one block of a load made in that step
+  fails (``invalid_block_ids``, ``kv_load_failure_policy="recompute"``).
+
+The model output of a step lists exactly that step's scheduled requests: no token for
+a request still in its prefill, else one fixed token per request. At the end of each
+round the sequence of scheduled token counts (every step, warm-up included) must equal
+the other scheduler's, a cheap check that both made the same decisions. kvblocks'
+scheduler must run kvblocks' manager (a fallback to vLLM's fails the run), and the
+``vllm`` logger is set to ERROR: it logs each recovered load failure from inside
+``update_from_output()``.
+
+Every vLLM import is lazy: the module imports, and :func:`status` says why the group
+is absent, without vLLM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import importlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvblocks.bench import vllm_runner
+from kvblocks.bench.workloads import Workload, WorkloadSpec, _spec
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "GROUP",
+    "KV_LOAD_SIZES",
+    "SIZES",
+    "RoundRecord",
+    "available",
+    "status",
+    "vllm_scheduler",
+    "workload_specs",
+]
+
+#: The prefix of every workload name in the group (``--workload vllm_scheduler``).
+GROUP = "vllm_scheduler"
+#: Requests kept in the system, one workload each.
+SIZES = (64, 256, 1_024)
+#: The sizes of the KV-connector variant.
+KV_LOAD_SIZES = (64, 256, 1_024)
+#: The fake KV connector's class name, looked up in this module by vLLM's connector
+#: factory (``kv_connector_module_path``).
+CONNECTOR_CLASS = "BenchLoadConnector"
+
+_BLOCK_SIZE = 16
+_NUM_BLOCKS = 65_536
+_MAX_BATCHED_TOKENS = 8_192
+_MAX_MODEL_LEN = 4_096
+_VOCAB = 1_000
+_SYSTEM_TOKENS = 1_024
+_SUFFIX_TOKENS = (64, 2_048)
+_OUTPUT_TOKENS = (32, 256)
+#: Warm-up stops once this fraction of ``N`` requests have been replaced.
+_WARMUP_REPLACED = 0.5
+#: A warm-up that has not reached its steady state after this many steps is a bug.
+_MAX_WARMUP_STEPS = 20_000
+#: Connector variant: one request in this many loads external tokens ...
+_LOAD_EVERY = 4
+#: ... at most this many, past its local prefix hit ...
+_LOAD_TOKENS = 256
+#: ... and one block of a load fails on every step that is a multiple of this.
+_FAIL_EVERY = 5
+
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+
+# The schedulers run no model: a CPU device config and no hub access are all they need,
+# and this CUDA wheel cannot detect a CPU platform by itself. vLLM resolves its platform
+# once, on first use, so this is set when the bench is imported, before vLLM is; values
+# already set win.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> tuple[bool, str]:
+    if not vllm_runner.available():
+        return False, vllm_runner.status()
+    try:
+        importlib.import_module("kvblocks.vllm").KVBlocksScheduler  # noqa: B018
+    except Exception as exc:  # any failure means "not available"
+        return False, f"kvblocks.vllm is not importable here ({type(exc).__name__}: {exc})"
+    return True, f"{vllm_runner.status()}, kvblocks.vllm.KVBlocksScheduler"
+
+
+def status() -> str:
+    """Why the group is absent, or what it runs (imports vLLM once, then cached).
+
+    Returns:
+        ``"vLLM <version>, kvblocks.vllm.KVBlocksScheduler"`` when the group can run,
+        else why not (vLLM not importable, or ``kvblocks.vllm`` not importable).
+    """
+    return _probe()[1]
+
+
+def available() -> bool:
+    """Whether the group can run: vLLM and ``kvblocks.vllm`` both import."""
+    return _probe()[0]
+
+
+# --------------------------------------------------------------------------- the load
+
+
+@dataclass(frozen=True, slots=True)
+class _Script:
+    """The requests, by index: each one's tokens and output length depend only on its
+    index and the seed, so both schedulers get the same ones in the same order."""
+
+    num_requests: int
+    seed: int
+    system: list[int]
+
+    def request(self, index: int) -> tuple[list[int], int]:
+        """``(prompt token ids, max output tokens)`` of request ``index``."""
+        rng = random.Random(self.seed * 1_000_003 + index)
+        suffix = [rng.randrange(_VOCAB) for _ in range(rng.randint(*_SUFFIX_TOKENS))]
+        return self.system + suffix, rng.randint(*_OUTPUT_TOKENS)
+
+
+def _script(num_requests: int, seed: int) -> _Script:
+    rng = random.Random(seed)
+    return _Script(num_requests, seed, [rng.randrange(_VOCAB) for _ in range(_SYSTEM_TOKENS)])
+
+
+@functools.lru_cache(maxsize=1)
+def _model_dir() -> str:
+    """A directory holding only a tiny Llama ``config.json``: the model vLLM's configs need."""
+    path = Path(tempfile.mkdtemp(prefix="kvblocks-bench-model-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": _VOCAB,
+        "max_position_embeddings": _MAX_MODEL_LEN,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return str(path)
+
+
+def _build_scheduler(scheduler_cls: Any, num_requests: int, kv_load: bool) -> Any:
+    """A ``scheduler_cls`` (vLLM's ``Scheduler`` or a subclass) for the bench's load."""
+    config = importlib.import_module("vllm.config")
+    interface = importlib.import_module("vllm.v1.kv_cache_interface")
+    structured = importlib.import_module("vllm.v1.structured_output")
+    torch = importlib.import_module("torch")
+    scheduler_config = config.SchedulerConfig(
+        max_num_seqs=max(num_requests, 256),
+        max_num_batched_tokens=_MAX_BATCHED_TOKENS,
+        max_model_len=_MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=False,
+    )
+    model_config = config.ModelConfig(
+        model=_model_dir(),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=_MAX_MODEL_LEN,
+    )
+    cache_config = config.CacheConfig(block_size=_BLOCK_SIZE, enable_prefix_caching=True)
+    kv_transfer_config = None
+    if kv_load:
+        kv_transfer_config = config.KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=__name__,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+        )
+    vllm_config = config.VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
+    )
+    spec = interface.FullAttentionSpec(
+        block_size=_BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_cache_config = interface.KVCacheConfig(
+        num_blocks=_NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[interface.KVCacheGroupSpec(["layer.0"], spec)],
+    )
+    cache_config.num_gpu_blocks = _NUM_BLOCKS
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=structured.StructuredOutputManager(vllm_config),
+        block_size=_BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+# --------------------------------------------------------------------------- connector
+
+
+@functools.lru_cache(maxsize=1)
+def _connector_class() -> type:
+    """``BenchLoadConnector``: a KV connector whose loads are synchronous and free.
+
+    Every ``_LOAD_EVERY``-th request (by index) gets up to ``_LOAD_TOKENS`` external
+    tokens past its block-aligned local hit, keeping at least one token to compute. It
+    keeps the block ids of each step's loads (``loads``, a list per loading request in
+    allocation order) for the driver, which reports some of them as failed.
+    """
+    base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+    class BenchLoadConnector(base.KVConnectorBase_V1):  # type: ignore[misc,name-defined]
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            self._local_hit: dict[str, int] = {}
+            self._step_loads: list[list[int]] = []
+            self.loads: list[list[int]] = []
+
+        # Worker side: nothing to move.
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            pass
+
+        def save_kv_layer(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_for_save(self) -> None:
+            pass
+
+        # Scheduler side.
+        def get_num_new_matched_tokens(
+            self, request: Any, num_computed_tokens: int
+        ) -> tuple[int, bool]:
+            if int(request.request_id[1:]) % _LOAD_EVERY != 1:
+                return 0, False
+            limit = (request.num_prompt_tokens - 1) // _BLOCK_SIZE * _BLOCK_SIZE
+            external = max(0, min(num_computed_tokens + _LOAD_TOKENS, limit) - num_computed_tokens)
+            if external:
+                self._local_hit[request.request_id] = num_computed_tokens
+            return external, False
+
+        def update_state_after_alloc(
+            self, request: Any, blocks: Any, num_external_tokens: int
+        ) -> None:
+            if num_external_tokens:
+                start = self._local_hit.pop(request.request_id) // _BLOCK_SIZE
+                table = blocks.get_block_ids()[0]
+                self._step_loads.append(
+                    list(table[start : start + num_external_tokens // _BLOCK_SIZE])
+                )
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            self.loads, self._step_loads = self._step_loads, []
+            self._local_hit.clear()
+            return base.KVConnectorMetadata()
+
+    BenchLoadConnector.__name__ = BenchLoadConnector.__qualname__ = CONNECTOR_CLASS
+    BenchLoadConnector.__module__ = __name__
+    return BenchLoadConnector
+
+
+def __getattr__(name: str) -> Any:
+    """``BenchLoadConnector``, made on first access (it subclasses a vLLM class)."""
+    if name == CONNECTOR_CLASS:
+        return _connector_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """What one round did, beyond its time.
+
+    Attributes:
+        steps: Steps timed.
+        mean_running: Mean length of ``scheduler.running`` over the timed steps.
+        mean_tokens: Mean tokens scheduled per timed step.
+        failed_loads: Steps with an injected load failure, warm-up included.
+    """
+
+    steps: int
+    mean_running: float
+    mean_tokens: float
+    failed_loads: int
+
+
+class _Driver:
+    """One scheduler and the engine around it: arrivals, fake model outputs, records.
+
+    Attributes:
+        scheduler: The vLLM ``Scheduler`` (or subclass) driven.
+        scheduled: Per step, the ``(request id, tokens)`` pairs it scheduled, in order.
+    """
+
+    __slots__ = (
+        "_hasher",
+        "_kv_output",
+        "_model_runner_output",
+        "_next",
+        "_request",
+        "_sampling_params",
+        "_script",
+        "_tokens",
+        "failed_loads",
+        "scheduled",
+        "scheduler",
+    )
+
+    def __init__(self, scheduler_cls: Any, script: _Script, kv_load: bool) -> None:
+        kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        hashing = importlib.import_module("vllm.utils.hashing")
+        outputs = importlib.import_module("vllm.v1.outputs")
+        self._request = importlib.import_module("vllm.v1.request").Request
+        self._sampling_params = importlib.import_module("vllm.sampling_params").SamplingParams
+        self._model_runner_output = outputs.ModelRunnerOutput
+        self._kv_output = outputs.KVConnectorOutput if kv_load else None
+        kv_cache_utils.init_none_hash(hashing.sha256)
+        self._hasher = kv_cache_utils.get_request_block_hasher(_BLOCK_SIZE, hashing.sha256)
+        self._script = script
+        self._next = 0
+        #: The fixed token each request samples, by request id.
+        self._tokens: dict[str, int] = {}
+        self.failed_loads = 0
+        self.scheduled: list[tuple[tuple[str, int], ...]] = []
+        self.scheduler = _build_scheduler(scheduler_cls, script.num_requests, kv_load)
+
+    def _top_up(self) -> None:
+        """Adds requests until ``N`` are unfinished (running or waiting)."""
+        scheduler = self.scheduler
+        while scheduler.get_num_unfinished_requests() < self._script.num_requests:
+            prompt, max_tokens = self._script.request(self._next)
+            request_id = f"r{self._next}"
+            self._tokens[request_id] = (self._next * 31 + 7) % _VOCAB
+            scheduler.add_request(
+                self._request(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling_params=self._sampling_params(max_tokens=max_tokens, ignore_eos=True),
+                    pooling_params=None,
+                    arrival_time=0.0,
+                    block_hasher=self._hasher,
+                )
+            )
+            self._next += 1
+
+    def _output(self, step: int, scheduler_output: Any) -> Any:
+        """The fake model output of a step: a fixed token per decoding request, none for a
+        prefill chunk, and with the connector some loads failed."""
+        ids = list(scheduler_output.num_scheduled_tokens)
+        requests = self.scheduler.requests
+        tokens = self._tokens
+        kv_connector_output = None
+        if self._kv_output is not None:
+            loads = self.scheduler.connector.loads
+            if step % _FAIL_EVERY == 0 and loads:
+                self.failed_loads += 1
+                first = loads[0]
+                kv_connector_output = self._kv_output(invalid_block_ids={first[len(first) // 2]})
+        return self._model_runner_output(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=[
+                [] if requests[rid].is_prefill_chunk else [tokens[rid]] for rid in ids
+            ],
+            kv_connector_output=kv_connector_output,
+        )
+
+    def step(self) -> float:
+        """One engine step; returns the seconds spent in ``schedule()`` and
+        ``update_from_output()``."""
+        self._top_up()
+        scheduler = self.scheduler
+        step = len(self.scheduled)
+        start = time.perf_counter()
+        scheduler_output = scheduler.schedule()
+        scheduled = time.perf_counter()
+        model_output = self._output(step, scheduler_output)
+        updating = time.perf_counter()
+        scheduler.update_from_output(scheduler_output, model_output)
+        end = time.perf_counter()
+        self.scheduled.append(tuple(scheduler_output.num_scheduled_tokens.items()))
+        return (scheduled - start) + (end - updating)
+
+    def warm_up(self) -> None:
+        """Steps until ``_WARMUP_REPLACED * N`` requests have replaced finished ones."""
+        target = self._script.num_requests + int(self._script.num_requests * _WARMUP_REPLACED)
+        while self._next < target:
+            if len(self.scheduled) >= _MAX_WARMUP_STEPS:
+                raise AssertionError(f"no steady state after {_MAX_WARMUP_STEPS} steps")
+            self.step()
+
+    def run(self, steps: int) -> tuple[float, RoundRecord]:
+        """``steps`` timed steps: ``(seconds in the scheduler, what they did)``."""
+        running = tokens = 0
+        seconds = 0.0
+        first = len(self.scheduled)
+        for _ in range(steps):
+            seconds += self.step()
+            running += len(self.scheduler.running)
+        tokens = sum(n for step in self.scheduled[first:] for _, n in step)
+        return seconds, RoundRecord(steps, running / steps, tokens / steps, self.failed_loads)
+
+
+class _Agreement:
+    """Holds the first round's scheduled token counts; every later round, on either
+    scheduler, must reproduce them."""
+
+    __slots__ = ("_expected", "_name", "_who")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._expected: list[tuple[tuple[str, int], ...]] | None = None
+        self._who = ""
+
+    def check(self, who: str, scheduled: list[tuple[tuple[str, int], ...]]) -> None:
+        """Raises ``AssertionError`` when ``scheduled`` differs from the first round's."""
+        if self._expected is None:
+            self._expected, self._who = scheduled, who
+            return
+        if scheduled == self._expected:
+            return
+        step = next(
+            (i for i, (a, b) in enumerate(zip(scheduled, self._expected, strict=False)) if a != b),
+            min(len(scheduled), len(self._expected)),
+        )
+        raise AssertionError(
+            f"{self._name}: {who} scheduled differently from {self._who} at step {step} "
+            f"of {len(self._expected)}"
+        )
+
+
+def _stock_scheduler() -> Any:
+    return importlib.import_module(_SCHEDULER).Scheduler
+
+
+def vllm_scheduler(
+    num_requests: int,
+    *,
+    kv_load: bool = False,
+    steps: int = 128,
+    seed: int = 0,
+    kvblocks_cls: Any = None,
+) -> Workload:
+    """vLLM's ``Scheduler`` step with kvblocks' manager (native) and vLLM's (vLLM column).
+
+    Args:
+        num_requests: Requests kept in the system (``N``).
+        kv_load: Add the fake KV connector: sync loads and injected load failures.
+        steps: Steps timed per round, after the warm-up.
+        seed: Seeds the requests.
+        kvblocks_cls: The scheduler class in the native column; None:
+            ``kvblocks.vllm.KVBlocksScheduler`` (tests pass vLLM's own to check the
+            harness without ``kvblocks.vllm``).
+
+    Returns:
+        The workload. Its runs time themselves (``self_timed``): ``run`` returns
+        ``(seconds in schedule() + update_from_output(), RoundRecord)``. It has no
+        reference column: the kvblocks scheduler uses kvblocks' default backend.
+    """
+    script = _script(num_requests, seed)
+    variant = "_kv_load" if kv_load else ""
+    name = f"vllm_scheduler{variant}_{num_requests}"
+    agreement = _Agreement(name)
+
+    def make(scheduler_cls: Any, manager_cls: Any = None) -> _Driver:
+        # vLLM logs each recovered load failure (and each connector it builds): printing
+        # it inside the timed calls would time the terminal, and garble the progress bar.
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        gc.collect()  # the previous round's schedulers, before this one warms up
+        driver = _Driver(scheduler_cls, script, kv_load)
+        manager = driver.scheduler.kv_cache_manager
+        if manager_cls is not None and not isinstance(manager, manager_cls):
+            raise AssertionError(
+                f"{name}: {scheduler_cls.__qualname__} runs {type(manager).__qualname__}, "
+                f"not {manager_cls.__module__}.{manager_cls.__qualname__} (a fallback?)"
+            )
+        driver.warm_up()
+        return driver
+
+    def setup(backend: ModuleType) -> _Driver:
+        if kvblocks_cls is not None:
+            return make(kvblocks_cls)
+        kvblocks_vllm = importlib.import_module("kvblocks.vllm")
+        return make(kvblocks_vllm.KVBlocksScheduler, kvblocks_vllm.KVCacheManager)
+
+    def run_on(who: str) -> Any:
+        def run(driver: _Driver) -> tuple[float, RoundRecord]:
+            seconds, record = driver.run(steps)
+            agreement.check(who, driver.scheduled)
+            return seconds, record
+
+        return run
+
+    run_kvblocks = run_on("kvblocks' manager")
+
+    def check(driver: _Driver, record: RoundRecord) -> None:
+        assert record.steps == steps and record.mean_tokens > 0
+        assert not kv_load or record.failed_loads > 0, "no load failure injected"
+
+    what = ", KV connector: sync loads, load failures (recompute)" if kv_load else ", no connector"
+    return Workload(
+        name=name,
+        group="vllm scheduler",
+        description=(
+            f"vLLM Scheduler step, {num_requests:,} requests (shared 1,024-token prompt + "
+            f"64-2,048, 32-256 out), {_NUM_BLOCKS:,} blocks{what}: kvblocks' manager "
+            f"(native) vs vLLM's"
+        ),
+        ops=steps,
+        op_name="step",
+        setup=setup,
+        run=lambda backend, driver: run_kvblocks(driver),
+        check=check,
+        vllm_setup=lambda: make(_stock_scheduler()),
+        vllm_run=run_on("vLLM's manager"),
+        has_reference=False,
+        self_timed=True,
+    )
+
+
+def workload_specs(quick: bool) -> list[WorkloadSpec]:
+    """The group's workloads, not built yet; none when :func:`available` is False.
+
+    ``quick`` times fewer steps per round (32 instead of 128) and runs the connector
+    variant at 256 requests only.
+    """
+    if not available():
+        return []
+    steps = 32 if quick else 128
+    sizes: Sequence[int] = (256,) if quick else KV_LOAD_SIZES
+    out = [_spec(f"vllm_scheduler_{n}", vllm_scheduler, n, steps=steps) for n in SIZES]
+    out += [
+        _spec(f"vllm_scheduler_kv_load_{n}", vllm_scheduler, n, kv_load=True, steps=steps)
+        for n in sizes
+    ]
+    return out
