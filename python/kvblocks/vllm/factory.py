@@ -78,7 +78,9 @@ def unsupported_reason(
         return f"KV cache group role {group.role.value} (eagle group: {group.is_eagle_group})"
     if kv_cache_config.needs_kv_cache_zeroing:
         return "the KV cache needs zeroing (Mamba layers or mixed precision)"
-    if kv_cache_config.prefix_cache_retention_interval is not None:
+    # Full attention caches densely: vLLM accepts only None or 0 for it (and raises
+    # its own error for anything else, which falling back lets it do).
+    if kv_cache_config.prefix_cache_retention_interval not in (None, 0):
         return "a prefix-cache retention interval is set"
     if dcp_world_size != 1 or pcp_world_size != 1:
         return f"context parallelism (dcp_world_size={dcp_world_size}, pcp={pcp_world_size})"

@@ -1,0 +1,1315 @@
+"""Drive vLLM 0.33.0's real v1 Scheduler twice on the same inputs and diff the two runs.
+
+A plain module (not a test file): the tests import it, and vLLM's KV connector factory
+imports it by name to build :class:`DiffFakeConnector` (``kv_connector_module_path`` is
+``DiffFakeConnector.__module__``, so whatever name this module was imported under works).
+
+* :func:`make_scenario` turns ``(family, seed, engine)`` into a :class:`Scenario`, with a
+  ``random.Random`` seeded by a string (so nothing depends on ``PYTHONHASHSEED``).
+* :func:`run_scenario` builds ``VllmConfig``/``KVCacheConfig``/the scheduler as in the
+  reference recipe (``vllm-0.33-scheduler-interface.md`` section 9) and drives it, either as
+  a synchronous engine (``EngineCore.step``) or as a depth-2 pipeline
+  (``EngineCore.step_with_batch_queue``), recording per step the normalised
+  ``SchedulerOutput``, the ``EngineCoreOutputs`` (with ``prefill_stats`` and
+  ``SchedulerStats``), the published KV events and the results of prefix-cache resets.
+* The fake model's tokens, drafts and connector results are functions of the request ids,
+  the step number and what the scheduler output said -- never of Python's ``hash()`` -- so
+  two schedulers that behave alike are fed exactly the same inputs.
+* :func:`compare_runs` reports the first step at which two runs differ, field by field.
+
+Run ``python tests/vllm/harness.py SCENARIO_ID`` (for example ``connector-s3-async``) to
+replay one scenario and print the first difference between vLLM's manager and kvblocks'.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import dataclasses
+import enum
+import json
+import random
+import sys
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_events import EventBatch, EventPublisher
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.attention.backend import AttentionMetadata
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs, FinishReason
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+
+VOCAB_SIZE = 1000
+#: Steps without a scheduled token (and nothing pending) after which a run has stalled.
+STALL_STEPS = 40
+
+#: The tiny model: vLLM only reads its ``config.json`` (``skip_tokenizer_init=True``).
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
+
+def write_tiny_model(directory: Path) -> Path:
+    """Write the tiny llama ``config.json`` into ``directory`` and return the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG), encoding="utf-8")
+    return directory
+
+
+def crc(*parts: object) -> int:
+    """A stable 32-bit hash of ``parts`` (``zlib.crc32``; never Python's ``hash()``)."""
+    return zlib.crc32("|".join(str(p) for p in parts).encode())
+
+
+def fake_token(*parts: object) -> int:
+    """A deterministic token id in ``[1, VOCAB_SIZE)``."""
+    return 1 + crc("tok", *parts) % (VOCAB_SIZE - 1)
+
+
+# --------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------
+
+ENGINES = ("sync", "async")
+FAMILIES = (
+    "prefix",
+    "multiturn",
+    "chunked",
+    "preempt",
+    "abort",
+    "reset",
+    "spec",
+    "connector",
+    "deferred",
+    "nocache",
+    "mixed",
+)
+
+
+@dataclass(frozen=True)
+class ReqSpec:
+    """One request of a scenario.
+
+    ``parent`` makes a multi-turn continuation: the request arrives once the parent has
+    finished (and not before ``arrival_step``), with prompt = the parent's prompt + the
+    parent's output + ``prompt``. ``ext_blocks``/``ext_async`` tell the fake connector how
+    many blocks past the local hit it offers and whether it loads them asynchronously;
+    ``fail`` injects a load failure into the first load attempt.
+    """
+
+    req_id: str
+    arrival_step: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    parent: str | None = None
+    ext_blocks: int = 0
+    ext_async: bool = False
+    fail: str | None = None  # None, "invalid" or "failed_recving"
+
+
+@dataclass(frozen=True)
+class Abort:
+    """At ``step``, abort between ``schedule()`` and ``update_from_output()``.
+
+    ``kind == "sched"``: the ``k``-th (mod n) request of the newest ``SchedulerOutput``;
+    ``kind == "any"``: the ``k``-th (mod n) of the scheduler's live request ids, sorted.
+    """
+
+    step: int
+    kind: str
+    k: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything that determines a run (the scheduler class aside)."""
+
+    family: str
+    seed: int
+    engine: str  # "sync": Scheduler + EngineCore.step; "async": AsyncScheduler + batch queue
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    requests: tuple[ReqSpec, ...]
+    enable_caching: bool = True
+    events: bool = True
+    spec_tokens: int = 0
+    connector_policy: str | None = None  # None, "recompute" or "fail"
+    long_prefill_token_threshold: int = 0
+    watermark: float = 0.0
+    reserve_full_isl: bool = True
+    aborts: tuple[Abort, ...] = ()
+    resets: tuple[tuple[int, bool], ...] = ()  # (step, reset_running_requests)
+    max_steps: int = 800
+
+    @property
+    def scenario_id(self) -> str:
+        return f"{self.family}-s{self.seed}-{self.engine}"
+
+    @property
+    def is_async(self) -> bool:
+        return self.engine == "async"
+
+
+def parse_scenario_id(scenario_id: str) -> tuple[str, int, str]:
+    """``"connector-s3-async"`` -> ``("connector", 3, "async")``."""
+    family, seed, engine = scenario_id.rsplit("-", 2)
+    if family not in FAMILIES or engine not in ENGINES or not seed.startswith("s"):
+        raise ValueError(f"not a scenario id: {scenario_id!r}")
+    return family, int(seed[1:]), engine
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(1, VOCAB_SIZE) for _ in range(n))
+
+
+def make_scenario(family: str, seed: int, engine: str) -> Scenario:
+    """The scenario ``family-s<seed>-<engine>``; the same arguments always give the same one."""
+    if family not in FAMILIES or engine not in ENGINES:
+        raise ValueError(f"unknown family/engine {family!r}/{engine!r}")
+    rng = random.Random(f"kvblocks-diff:{family}:{seed}:{engine}")
+    mixed = family == "mixed"
+
+    def chance(p: float, *families: str) -> bool:
+        return (family in families or mixed) and rng.random() < p
+
+    block_size = rng.choice([2, 4, 4, 8, 16] if family != "chunked" else [2, 4, 8])
+    spec_tokens = rng.choice([1, 2, 3]) if family == "spec" or chance(0.3) else 0
+    connector = family in ("connector", "deferred") or chance(0.4)
+    policy = rng.choice(["recompute", "fail"]) if connector else None
+    # Shared prefixes (system prompts), some not block aligned.
+    prefixes = [
+        _tokens(rng, rng.randint(1, 6) * block_size + rng.choice([0, 0, 1, block_size // 2]))
+        for _ in range(rng.randint(1, 3))
+    ]
+    num_requests = rng.randint(6, 14) if not mixed else rng.randint(8, 20)
+    long_prompts = family == "chunked" or chance(0.3)
+    long_outputs = family in ("preempt", "reset") or chance(0.3)
+    requests: list[ReqSpec] = []
+    lengths: dict[str, int] = {}  # upper bound of each request's total tokens
+    last_arrival = 0
+    for i in range(num_requests):
+        req_id = f"r{i}"
+        suffix_len = rng.randint(1, 12 * block_size if long_prompts else 4 * block_size)
+        max_tokens = rng.randint(1, 40 if long_outputs else 12)
+        parent: str | None = None
+        if (family == "multiturn" or chance(0.3)) and requests and rng.random() < 0.6:
+            parent = rng.choice(requests).req_id
+        if parent is not None:
+            prompt = _tokens(rng, rng.randint(1, 2 * block_size))
+            bound = lengths[parent] + len(prompt)
+        else:
+            prefix = rng.choice(prefixes) if rng.random() < 0.8 else ()
+            prompt = prefix + _tokens(rng, suffix_len)
+            bound = len(prompt)
+        lengths[req_id] = bound + max_tokens
+        arrival = last_arrival + rng.choice([0, 0, 0, 1, 2, 5])
+        if rng.random() < 0.1 or (family == "reset" and i == num_requests // 2):
+            arrival += rng.randint(10, 60)  # a later wave, often after the cache went idle
+        last_arrival = arrival
+        ext_blocks = 0
+        ext_async = False
+        fail: str | None = None
+        if connector and rng.random() < 0.7:
+            ext_blocks = rng.choice([1, 2, 3, 5, 8])
+            ext_async = rng.random() < 0.5
+            fail = rng.choice([None, None, "invalid", "invalid", "failed_recving"])
+        requests.append(
+            ReqSpec(req_id, arrival, prompt, max_tokens, parent, ext_blocks, ext_async, fail)
+        )
+
+    max_total = max(lengths.values())
+    lookahead = spec_tokens + 2
+    max_need = _cdiv(max_total + lookahead, block_size)
+    max_model_len = max(256, _cdiv(max_total + lookahead + 8, 64) * 64)
+    watermark = rng.choice([0.0, 0.0, 0.05, 0.1]) if chance(0.5, "preempt", "prefix") else 0.0
+    small_pool = family in ("preempt", "abort") or chance(0.4, "deferred", "reset", "connector")
+    total_need = sum(_cdiv(n + lookahead, block_size) for n in lengths.values())
+    if small_pool:
+        num_blocks = max_need + 1 + rng.randint(0, max(1, max_need // 2))
+    else:
+        num_blocks = total_need + rng.randint(1, 16)
+    # Every request must fit alone (the full-sequence admission gate), watermark included.
+    num_blocks = max(num_blocks, int((max_need + 2) / (1.0 - watermark)) + 2)
+
+    if family == "chunked" or chance(0.4):
+        max_num_batched_tokens = rng.randint(2, 8) * block_size
+    else:
+        max_num_batched_tokens = rng.choice([128, 256, 512])
+    max_num_seqs = rng.choice([2, 3, 4, 8, 16])
+    max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs * (1 + spec_tokens) + 1)
+    long_prefill = (
+        rng.randint(1, 4) * block_size
+        if chance(0.5, "chunked") and max_num_batched_tokens > block_size
+        else 0
+    )
+
+    aborts: list[Abort] = []
+    if family in ("abort", "deferred") or chance(0.3):
+        for _ in range(rng.randint(2, 8)):
+            aborts.append(
+                Abort(
+                    rng.randint(0, last_arrival + 30),
+                    rng.choice(["sched", "sched", "any"]),
+                    rng.randrange(16),
+                )
+            )
+    resets: list[tuple[int, bool]] = []
+    if family == "reset" or chance(0.2):
+        for _ in range(rng.randint(2, 6)):
+            resets.append((rng.randint(0, last_arrival + 60), rng.random() < 0.5))
+
+    return Scenario(
+        family=family,
+        seed=seed,
+        engine=engine,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        requests=tuple(requests),
+        enable_caching=family != "nocache" and not chance(0.1),
+        events=family != "nocache" and rng.random() < 0.9,
+        spec_tokens=spec_tokens,
+        connector_policy=policy,
+        long_prefill_token_threshold=long_prefill,
+        watermark=watermark,
+        reserve_full_isl=not chance(0.25, "preempt", "chunked"),
+        aborts=tuple(sorted(aborts, key=lambda a: (a.step, a.kind, a.k))),
+        resets=tuple(sorted(resets)),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The fake scheduler-side KV connector
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadRecord:
+    """A load the connector started in ``update_state_after_alloc``."""
+
+    req_id: str
+    attempt: int
+    is_async: bool
+    num_local_tokens: int
+    num_external_tokens: int
+    external_block_ids: list[int]
+
+
+class DiffConnectorMetadata(KVConnectorMetadata):
+    """What the connector saw since the previous step, as plain data (compared as is)."""
+
+    def __init__(self, log: list[dict[str, Any]]) -> None:
+        self.log = log
+
+    def normalised(self) -> Any:
+        """The log, its entries as dicts so a difference names the entry's field."""
+        return [
+            {key: normalise(value, f"kv_connector_metadata.{key}") for key, value in entry.items()}
+            for entry in self.log
+        ]
+
+
+class DiffFakeConnector(KVConnectorBase_V1):
+    """A scheduler-side KV connector with sync and async loads.
+
+    It offers ``kv_transfer_params["diff_ext_blocks"]`` blocks past the local prefix hit
+    (never the prompt's last token), asynchronously if ``kv_transfer_params["diff_async"]``.
+    It reads what real connectors read: the block table (``get_blocks``), block views
+    (``block_id``, ``block_hash``, ``is_null``), ``get_unhashed_block_ids``,
+    ``KVConnectorBlockState.get_block_ids`` and ``request_finished``'s block ids, and puts
+    all of it into its metadata, so the comparison sees it. The driver reads
+    :attr:`new_loads` after each ``schedule()`` to report ``finished_recving``,
+    ``invalid_block_ids`` and ``failed_recving``.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        assert kv_cache_config is not None
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self._offers: dict[str, tuple[int, int, bool]] = {}
+        self.attempts: Counter[str] = Counter()
+        self.new_loads: list[LoadRecord] = []
+        self._log: list[dict[str, Any]] = []
+
+    # Worker side: nothing to do.
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    # Scheduler side.
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        num_blocks = int(params.get("diff_ext_blocks", 0))
+        cap = ((request.num_tokens - 1) // self.block_size) * self.block_size
+        ext = min(num_computed_tokens + num_blocks * self.block_size, cap) - num_computed_tokens
+        if num_blocks <= 0 or ext <= 0:
+            return 0, False
+        is_async = bool(params.get("diff_async", False))
+        self._offers[request.request_id] = (num_computed_tokens, ext, is_async)
+        self._log.append(
+            {
+                "kind": "offer",
+                "req_id": request.request_id,
+                "num_computed_tokens": num_computed_tokens,
+                "num_external_tokens": ext,
+                "load_async": is_async,
+            }
+        )
+        return ext, is_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        (table,) = blocks.get_block_ids()
+        self._log.append(
+            {
+                "kind": "alloc",
+                "req_id": req_id,
+                "block_ids": list(table),
+                "num_external_tokens": num_external_tokens,
+            }
+        )
+        if num_external_tokens <= 0:
+            return
+        local, ext, is_async = self._offers.pop(req_id)
+        assert ext == num_external_tokens, (ext, num_external_tokens)
+        first = local // self.block_size
+        last = _cdiv(local + ext, self.block_size)
+        views = list(blocks.blocks[0])[first:last]
+        external = [view.block_id for view in views]
+        assert external == list(table[first:last]), (external, table)
+        self._log.append(
+            {
+                "kind": "load",
+                "req_id": req_id,
+                "external_block_ids": external,
+                "unhashed": [view.block_hash is None for view in views],
+                "is_null": [bool(view.is_null) for view in views],
+                "unhashed_block_ids": sorted(blocks.get_unhashed_block_ids()),
+            }
+        )
+        self.attempts[req_id] += 1
+        self.new_loads.append(
+            LoadRecord(req_id, self.attempts[req_id], is_async, local, ext, external)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        state = scheduler_output.kv_connector_block_state
+        tables = {
+            req_id: state.get_block_ids(req_id) if state is not None else None
+            for req_id in scheduler_output.num_scheduled_tokens
+        }
+        log, self._log = self._log, []
+        return DiffConnectorMetadata([{"kind": "tables", "block_ids": tables}, *log])
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._log.append(
+            {"kind": "request_finished", "req_id": request.request_id, "block_ids": list(block_ids)}
+        )
+        return False, None
+
+    def take_new_loads(self) -> list[LoadRecord]:
+        loads, self.new_loads = self.new_loads, []
+        return loads
+
+
+class RecordingPublisher(EventPublisher):
+    """Stands in for ``sched.kv_event_publisher``: keeps each batch's events, drops ``ts``."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.batches: list[list[Any]] = []
+
+    def publish(self, events: EventBatch) -> None:
+        self.batches.append(list(events.events))
+
+    def shutdown(self) -> None:
+        return
+
+    def take(self) -> list[list[Any]]:
+        batches, self.batches = self.batches, []
+        return batches
+
+
+# --------------------------------------------------------------------------------------
+# Normalisation
+# --------------------------------------------------------------------------------------
+
+#: (class name, field) pairs replaced before comparing: opaque objects, tensors, timestamps.
+_DROPPED: dict[tuple[str, str], Callable[[Any], Any]] = {
+    ("NewRequestData", "sampling_params"): lambda sp: None if sp is None else sp.max_tokens,
+    ("NewRequestData", "pooling_params"): lambda p: None if p is None else type(p).__name__,
+    ("NewRequestData", "lora_request"): lambda p: None if p is None else type(p).__name__,
+    ("NewRequestData", "mm_features"): len,
+    ("NewRequestData", "prompt_embeds"): lambda t: None if t is None else list(t.shape),
+    ("SchedulerOutput", "ec_connector_metadata"): lambda m: None if m is None else "set",
+    ("SchedulerOutput", "ec_manager_metadata"): lambda m: None if m is None else "set",
+    ("SchedulerOutput", "aux_output_connector_metadata"): lambda m: None if m is None else "set",
+    ("SchedulerOutput", "scheduled_encoder_input_stats"): lambda m: None,
+    ("SchedulerOutput", "encoder_input_updates"): len,
+    ("EngineCoreOutputs", "timestamp"): lambda t: None,
+    ("EngineCoreOutput", "events"): lambda evs: (
+        None if evs is None else [type(e.type).__name__ + "." + e.type.name for e in evs]
+    ),
+    ("SchedulerStats", "kv_cache_eviction_events"): len,
+    ("SchedulerStats", "perf_stats"): lambda s: None,
+    ("SchedulerStats", "cudagraph_stats"): lambda s: None,
+    ("SchedulerStats", "iteration_details"): lambda s: None,
+}
+
+
+def normalise(value: Any, path: str = "") -> Any:
+    """A JSON-like, order-stable copy of ``value``: sets sorted, objects as dicts.
+
+    Dict insertion order is kept (it is meaningful, e.g. ``num_scheduled_tokens``).
+    Unknown object types raise, so a new vLLM field cannot slip through uncompared.
+    """
+    if isinstance(value, enum.Enum):  # before int: IntEnum and StrEnum are ints and strs
+        return f"{type(value).__name__}.{value.name}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (list, tuple, deque)):
+        return [normalise(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        items = [normalise(v, f"{path}{{}}") for v in value]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True, default=str))
+    if isinstance(value, dict):
+        return [[normalise(k, path), normalise(v, f"{path}[{k!r}]")] for k, v in value.items()]
+    if isinstance(value, DiffConnectorMetadata):
+        return value.normalised()
+    if isinstance(value, msgspec.Struct):
+        names = value.__struct_fields__
+        return _normalise_fields(value, names, path)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+        return _normalise_fields(value, names, path)
+    raise TypeError(f"cannot normalise {type(value).__qualname__} at {path or '<root>'}")
+
+
+def _normalise_fields(value: Any, names: Sequence[str], path: str) -> dict[str, Any]:
+    cls = type(value).__name__
+    out: dict[str, Any] = {"__type__": cls}
+    for name in names:
+        item = getattr(value, name)
+        replace = _DROPPED.get((cls, name))
+        out[name] = replace(item) if replace is not None else normalise(item, f"{path}.{name}")
+    return out
+
+
+def normalise_events(batches: list[list[Any]]) -> list[Any]:
+    """Each published batch as a list of ``(type name, fields)``; ``ts`` is already gone."""
+    return [[normalise(event, "event") for event in batch] for batch in batches]
+
+
+def normalise_engine_outputs(outputs: dict[int, EngineCoreOutputs]) -> Any:
+    """``update_from_output``'s result, by client index.
+
+    The error outputs appended after the per-request loop come from a set
+    (``finish_requests``), so their order is sorted away; the rest keep their order.
+    """
+    result = []
+    for client, eco in sorted(outputs.items()):
+        norm = normalise(eco, f"outputs[{client}]")
+        items = norm["outputs"]
+        split = len(items)
+        while split > 0 and _is_error_output(items[split - 1]):
+            split -= 1
+        tail = sorted(items[split:], key=lambda o: json.dumps(o, sort_keys=True))
+        norm["outputs"] = items[:split] + tail
+        result.append([client, norm])
+    return result
+
+
+def _is_error_output(output: dict[str, Any]) -> bool:
+    return not output["new_token_ids"] and output["finish_reason"] == "FinishReason.ERROR"
+
+
+# --------------------------------------------------------------------------------------
+# Building the scheduler
+# --------------------------------------------------------------------------------------
+
+
+def build_vllm_config(scn: Scenario, model_dir: Path) -> VllmConfig:
+    """``VllmConfig`` for ``scn`` per the recipe; async engines get ``async_scheduling``."""
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=scn.max_num_seqs,
+        max_num_batched_tokens=scn.max_num_batched_tokens,
+        max_model_len=scn.max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=False,
+        long_prefill_token_threshold=scn.long_prefill_token_threshold,
+        watermark=scn.watermark,
+        scheduler_reserve_full_isl=scn.reserve_full_isl,
+    )
+    model_config = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=scn.max_model_len,
+    )
+    cache_config = CacheConfig(block_size=scn.block_size, enable_prefix_caching=scn.enable_caching)
+    kv_events = (
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if scn.events else None
+    )
+    spec = (
+        SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=scn.spec_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=2,
+        )
+        if scn.spec_tokens
+        else None
+    )
+    transfer = (
+        KVTransferConfig(
+            kv_connector="DiffFakeConnector",
+            kv_connector_module_path=DiffFakeConnector.__module__,
+            kv_role="kv_both",
+            kv_load_failure_policy=scn.connector_policy,  # type: ignore[arg-type]
+        )
+        if scn.connector_policy is not None
+        else None
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_events_config=kv_events,
+        speculative_config=spec,
+        kv_transfer_config=transfer,
+    )
+    if scn.is_async:
+        # The CPU platform turns async scheduling off; the scheduler reads it back for
+        # max_concurrent_batches (deferred frees with a consumer connector) and
+        # max_in_flight_tokens.
+        vllm_config.scheduler_config.async_scheduling = True
+    vllm_config.cache_config.num_gpu_blocks = scn.num_blocks
+    return vllm_config
+
+
+def build_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
+    """One full-attention group, as the engine core makes for the tiny model."""
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+
+
+def build_scheduler(scn: Scenario, scheduler_cls: type[Scheduler], model_dir: Path) -> Scheduler:
+    vllm_config = build_vllm_config(scn, model_dir)
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=build_kv_cache_config(scn.num_blocks, scn.block_size),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=scn.block_size,
+        log_stats=True,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """What one run produced: a record per step, plus facts about what it exercised."""
+
+    scenario_id: str
+    scheduler_cls: str
+    manager_cls: str
+    manager_type: type
+    records: list[dict[str, Any]]
+    finished: bool
+    stalled: bool = False
+    coverage: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Pending:
+    due: int
+    load: LoadRecord
+    fail: str | None
+
+
+class Driver:
+    """Feeds one scheduler a scenario's requests and fake model outputs, step by step."""
+
+    def __init__(
+        self,
+        scn: Scenario,
+        scheduler_cls: type[Scheduler],
+        model_dir: Path,
+        count_manager_calls: bool = False,
+    ) -> None:
+        self.scn = scn
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(scn.block_size, sha256)
+        self.sched = build_scheduler(scn, scheduler_cls, model_dir)
+        self.publisher = RecordingPublisher()
+        self.sched.kv_event_publisher = self.publisher
+        self.records: list[dict[str, Any]] = []
+        self.coverage: Counter[str] = Counter()
+        self.specs = {r.req_id: r for r in scn.requests}
+        self.prompts: dict[str, list[int]] = {}
+        self.generated: dict[str, list[int]] = {}
+        self.done: set[str] = set()
+        self.added: set[str] = set()
+        self.pending_loads: list[_Pending] = []
+        self.quiet_steps = 0
+        self.stalled = False
+        self.last_event = max(
+            [r.arrival_step for r in scn.requests]
+            + [a.step for a in scn.aborts]
+            + [step for step, _ in scn.resets]
+        )
+        if count_manager_calls:
+            self._count_manager_calls()
+
+    # -- coverage -------------------------------------------------------------------
+    def _count_manager_calls(self) -> None:
+        """Wrap a few manager methods on the instance to count the paths a run takes."""
+        manager = self.sched.kv_cache_manager
+        for name in ("pop_blocks_for_free", "evict_blocks", "cache_blocks", "free"):
+            self._wrap(manager, name)
+        self._wrap(manager.coordinator, "get_num_blocks_to_allocate")
+        self._wrap(manager.block_pool, "free_blocks")
+
+    def _wrap(self, obj: Any, name: str) -> None:
+        inner = getattr(obj, name)
+        coverage = self.coverage
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            coverage[f"call:{name}"] += 1
+            return inner(*args, **kwargs)
+
+        setattr(obj, name, counted)
+
+    # -- inputs ---------------------------------------------------------------------
+    def _new_request(self, spec: ReqSpec) -> Request:
+        prompt = list(spec.prompt)
+        if spec.parent is not None:
+            prompt = self.prompts[spec.parent] + self.generated[spec.parent] + prompt
+            self.coverage["multiturn"] += 1
+        room = self.scn.max_model_len - spec.max_tokens - self.scn.spec_tokens - 2
+        prompt = prompt[:room]
+        self.prompts[spec.req_id] = prompt
+        self.generated[spec.req_id] = []
+        extra: dict[str, Any] | None = None
+        if spec.ext_blocks:
+            extra = {
+                "kv_transfer_params": {
+                    "diff_ext_blocks": spec.ext_blocks,
+                    "diff_async": spec.ext_async,
+                }
+            }
+        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, extra_args=extra)
+        return Request(
+            request_id=spec.req_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=self.hasher,
+        )
+
+    def _add_arrivals(self, step: int, rec: dict[str, Any]) -> None:
+        arrived = []
+        for spec in self.scn.requests:
+            if spec.req_id in self.added or spec.arrival_step > step:
+                continue
+            if spec.parent is not None and spec.parent not in self.done:
+                continue
+            self.sched.add_request(self._new_request(spec))
+            self.added.add(spec.req_id)
+            arrived.append(spec.req_id)
+        if arrived:
+            rec["arrived"] = arrived
+
+    def _future_arrivals(self) -> bool:
+        return len(self.added) < len(self.scn.requests)
+
+    def _resets(self, step: int, rec: dict[str, Any]) -> None:
+        for at, running in self.scn.resets:
+            if at != step:
+                continue
+            try:
+                ok: Any = self.sched.reset_prefix_cache(reset_running_requests=running)
+            except RuntimeError as exc:
+                ok = f"RuntimeError: {exc}"
+            rec.setdefault("resets", []).append([running, ok])
+            if ok is True:
+                self.coverage["reset_ok_running" if running else "reset_ok"] += 1
+            else:
+                self.coverage["reset_refused"] += 1
+
+    def _abort_targets(self, step: int, so: SchedulerOutput | None) -> list[str]:
+        targets: list[str] = []
+        for abort in self.scn.aborts:
+            if abort.step != step:
+                continue
+            if abort.kind == "sched":
+                ids = list(so.num_scheduled_tokens) if so is not None else []
+            else:
+                ids = sorted(r for r, req in self.sched.requests.items() if not req.is_finished())
+            if ids:
+                targets.append(ids[abort.k % len(ids)])
+        return targets
+
+    def _abort(self, targets: list[str], rec: dict[str, Any]) -> None:
+        if not targets:
+            return
+        for req_id in targets:
+            req = self.sched.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.coverage["abort_remote_kv"] += 1
+        aborted = self.sched.finish_requests(targets, RequestStatus.FINISHED_ABORTED)
+        rec["aborted"] = sorted(r.request_id for r in aborted)
+        self.coverage["aborted"] += len(aborted)
+        for req in aborted:
+            self._finish(req.request_id)
+
+    def _finish(self, req_id: str) -> None:
+        self.done.add(req_id)
+
+    # -- the fake model -------------------------------------------------------------
+    def _model_output(self, step: int, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Sampled tokens for ``so``, decided as the worker would at execution time."""
+        ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in ids:
+            req = self.sched.requests[req_id]
+            if req.is_prefill_chunk:
+                sampled.append([])
+                continue
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            accepted = crc("acc", req_id, step) % (len(drafts) + 1)
+            tokens = [
+                d if d >= 0 else fake_token(req_id, step, i)
+                for i, d in enumerate(drafts[:accepted])
+            ]
+            tokens.append(fake_token(req_id, step, "bonus"))
+            if drafts:
+                self.coverage["spec_scheduled"] += 1
+                self.coverage["spec_accepted"] += accepted
+            sampled.append(tokens)
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=self._connector_output(step, so),
+        )
+
+    def _connector_output(self, step: int, so: SchedulerOutput) -> KVConnectorOutput | None:
+        connector = self.sched.connector
+        if connector is None:
+            return None
+        assert isinstance(connector, DiffFakeConnector)
+        invalid: set[int] = set()
+        failed: set[str] = set()
+        finished: set[str] = set()
+        for load in connector.take_new_loads():
+            fail = self.specs[load.req_id].fail if load.attempt == 1 else None
+            if load.is_async:
+                self.coverage["load_async"] += 1
+                delay = 1 + crc("delay", load.req_id, load.attempt) % 3
+                self.pending_loads.append(_Pending(step + delay, load, fail))
+            else:
+                self.coverage["load_sync"] += 1
+                if fail is not None:
+                    invalid.add(self._pick(load))
+                    self.coverage[f"invalid_sync:{self.scn.connector_policy}"] += 1
+        keep: list[_Pending] = []
+        for pending in self.pending_loads:
+            if pending.due > step:
+                keep.append(pending)
+                continue
+            finished.add(pending.load.req_id)
+            if pending.fail == "invalid":
+                invalid.add(self._pick(pending.load))
+                self.coverage[f"invalid_async:{self.scn.connector_policy}"] += 1
+            elif pending.fail == "failed_recving":
+                failed.add(pending.load.req_id)
+                self.coverage[f"failed_recving:{self.scn.connector_policy}"] += 1
+        self.pending_loads = keep
+        return KVConnectorOutput(
+            finished_recving=finished or None,
+            invalid_block_ids=invalid,
+            failed_recving=failed,
+        )
+
+    @staticmethod
+    def _pick(load: LoadRecord) -> int:
+        ids = load.external_block_ids
+        return ids[crc("invalid", load.req_id, load.attempt) % len(ids)]
+
+    def _propose_drafts(self, step: int, so: SchedulerOutput) -> None:
+        """Sync engine with spec decode: the drafter's proposals after the step."""
+        if not self.scn.spec_tokens or so.total_num_scheduled_tokens == 0:
+            return
+        req_ids: list[str] = []
+        drafts: list[list[int]] = []
+        for req_id in so.num_scheduled_tokens:
+            n = crc("ndraft", req_id, step) % (self.scn.spec_tokens + 1)
+            req_ids.append(req_id)
+            drafts.append([fake_token("draft", req_id, step, i) for i in range(n)])
+        self.sched.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+
+    # -- recording ------------------------------------------------------------------
+    def _record_schedule(self, so: SchedulerOutput, rec: dict[str, Any]) -> None:
+        norm = normalise(so, "so")
+        rec["schedule"] = norm
+        for new in so.scheduled_new_reqs:
+            if new.num_computed_tokens > 0:
+                self.coverage["prefix_hit"] += 1
+        cached = so.scheduled_cached_reqs
+        self.coverage["resumed"] += len(cached.resumed_req_ids)
+        if so.preempted_req_ids:
+            self.coverage["preempted"] += len(so.preempted_req_ids)
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[req_id]
+            if req.is_prefill_chunk and n > 1:
+                self.coverage["prefill_chunk"] += 1
+        if self.sched.deferred_frees:
+            self.coverage["deferred_frees_pending"] += 1
+
+    def _record_update(self, outputs: dict[int, EngineCoreOutputs], rec: dict[str, Any]) -> None:
+        rec["outputs"] = normalise_engine_outputs(outputs)
+        rec["events"] = normalise_events(self.publisher.take())
+        if rec["events"]:
+            self.coverage["event_batches"] += 1
+        errors = sum(
+            out.finish_reason == FinishReason.ERROR
+            for eco in outputs.values()
+            for out in eco.outputs
+        )
+        if errors > 1:
+            # Several requests failed at once: vLLM finishes (and frees) them in the
+            # iteration order of a set of request ids.
+            self.coverage["multi_error_step"] += 1
+        for eco in outputs.values():
+            for out in eco.outputs:
+                self.generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self._finish(out.request_id)
+                    if out.finish_reason == FinishReason.ERROR:
+                        self.coverage["finished_error"] += 1
+                    elif out.finish_reason == FinishReason.ABORT:
+                        self.coverage["finished_abort"] += 1
+                if out.prefill_stats is not None and out.prefill_stats.num_cached_tokens:
+                    self.coverage["prefill_stats_cached"] += 1
+            stats = eco.scheduler_stats
+            if stats is not None and stats.prefix_cache_stats.reset:
+                self.coverage["stats_reset"] += 1
+            if stats is not None and stats.prefix_cache_stats.preempted_requests:
+                self.coverage["stats_preempted"] += 1
+
+    # -- engines --------------------------------------------------------------------
+    def run(self) -> bool:
+        """Drive until no request is left; False if it stalled or ``max_steps`` ran out."""
+        if self.scn.is_async:
+            return self._run_batch_queue()
+        return self._run_sync()
+
+    def _stalled(self, step: int, so: SchedulerOutput | None) -> bool:
+        """Whether nothing has been scheduled for a long while and nothing can change.
+
+        vLLM 0.33.0 itself can stall: a request whose async load failed with nothing
+        valid stays in ``_inflight_prefills``, so its re-admission reserves its own
+        remaining blocks on top of what it allocates, and in a small pool it never fits.
+        """
+        if so is not None and so.total_num_scheduled_tokens > 0:
+            self.quiet_steps = 0
+            return False
+        self.quiet_steps += 1
+        if self.quiet_steps < STALL_STEPS or self.pending_loads or step <= self.last_event:
+            return False
+        self.records[-1]["stalled"] = True
+        self.stalled = True
+        return True
+
+    def _run_sync(self) -> bool:
+        """``EngineCore.step`` (+ ``post_step``'s drafts), one scheduler step per tick."""
+        for step in range(self.scn.max_steps):
+            rec: dict[str, Any] = {"step": step}
+            self.records.append(rec)
+            self._add_arrivals(step, rec)
+            self._resets(step, rec)
+            if not self.sched.has_requests():
+                if not self._future_arrivals():
+                    return True
+                rec["idle"] = True
+                continue
+            so = self.sched.schedule()
+            self._record_schedule(so, rec)
+            mro = self._model_output(step, so)
+            self._abort(self._abort_targets(step, so), rec)
+            outputs = self.sched.update_from_output(so, mro)
+            self._record_update(outputs, rec)
+            self._propose_drafts(step, so)
+            if self._stalled(step, so):
+                return False
+        return False
+
+    def _run_batch_queue(self) -> bool:
+        """``EngineCore.step_with_batch_queue`` with a queue of two batches."""
+        queue: deque[tuple[int, SchedulerOutput, ModelRunnerOutput]] = deque()
+        for step in range(self.scn.max_steps):
+            rec: dict[str, Any] = {"step": step}
+            self.records.append(rec)
+            self._add_arrivals(step, rec)
+            self._resets(step, rec)
+            newest: SchedulerOutput | None = None
+            if self.sched.has_requests():
+                so = self.sched.schedule()
+                newest = so
+                self._record_schedule(so, rec)
+                executed = so.total_num_scheduled_tokens > 0
+                queue.appendleft((step, so, self._model_output(step, so)))
+                if self._stalled(step, so):
+                    return False
+                if len(queue) < 2 and (executed or self.sched.has_requests()):
+                    continue
+            elif not queue:
+                if not self._future_arrivals():
+                    return True
+                rec["idle"] = True
+                continue
+            sched_step, old_so, mro = queue.pop()
+            rec["update_of"] = sched_step
+            self._abort(self._abort_targets(step, newest), rec)
+            outputs = self.sched.update_from_output(old_so, mro)
+            self._record_update(outputs, rec)
+        return False
+
+
+def run_scenario(
+    scn: Scenario,
+    scheduler_cls: type[Scheduler],
+    model_dir: Path,
+    count_manager_calls: bool = False,
+) -> RunResult:
+    """Run ``scn`` on a fresh ``scheduler_cls``; an exception ends the records with it."""
+    driver = Driver(scn, scheduler_cls, model_dir, count_manager_calls)
+    manager_cls = type(driver.sched.kv_cache_manager)
+    try:
+        finished = driver.run()
+    except Exception as exc:  # the candidate raising is a difference to report
+        step = driver.records[-1]["step"] if driver.records else -1
+        driver.records.append({"step": step, "exception": f"{type(exc).__name__}: {exc}"})
+        finished = False
+    return RunResult(
+        scenario_id=scn.scenario_id,
+        scheduler_cls=f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}",
+        manager_cls=f"{manager_cls.__module__}.{manager_cls.__qualname__}",
+        manager_type=manager_cls,
+        records=driver.records,
+        finished=finished,
+        stalled=driver.stalled,
+        coverage=driver.coverage,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Comparing two runs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Mismatch:
+    """The first step at which two runs differ, with every differing field of it."""
+
+    scenario_id: str
+    step: int
+    diffs: list[tuple[str, Any, Any]]
+    reference: str
+    candidate: str
+
+    def __str__(self) -> str:
+        lines = [
+            f"scenario {self.scenario_id}: first difference at step {self.step}",
+            f"  reference = {self.reference}",
+            f"  candidate = {self.candidate}",
+        ]
+        for path, ref, cand in self.diffs[:12]:
+            lines.append(f"  field {path}:")
+            lines.append(f"    reference: {_short(ref)}")
+            lines.append(f"    candidate: {_short(cand)}")
+        if len(self.diffs) > 12:
+            lines.append(f"  ... and {len(self.diffs) - 12} more differing fields")
+        lines.append(
+            "  reproduce: cd /work/main && /root/.cache/kvblocks/vllm-venv/bin/python "
+            f"tests/vllm/harness.py {self.scenario_id} [--repeat N]"
+        )
+        return "\n".join(lines)
+
+
+def _short(value: Any, limit: int = 600) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def diff_values(ref: Any, cand: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """Every leaf path at which two normalised values differ."""
+    if isinstance(ref, dict) and isinstance(cand, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in list(ref) + [k for k in cand if k not in ref]:
+            if key == "__type__":
+                continue
+            out.extend(
+                diff_values(ref.get(key, "<absent>"), cand.get(key, "<absent>"), f"{path}.{key}")
+            )
+        if ref.get("__type__") != cand.get("__type__"):
+            out.insert(0, (f"{path}.__type__", ref.get("__type__"), cand.get("__type__")))
+        return out
+    if isinstance(ref, list) and isinstance(cand, list):
+        if len(ref) != len(cand):
+            return [(f"{path} (length {len(ref)} vs {len(cand)})", ref, cand)]
+        out = []
+        for i, (a, b) in enumerate(zip(ref, cand, strict=True)):
+            out.extend(diff_values(a, b, f"{path}[{i}]"))
+        return out
+    if ref != cand or type(ref) is not type(cand):
+        return [(path or "<root>", ref, cand)]
+    return []
+
+
+def compare_runs(reference: RunResult, candidate: RunResult) -> Mismatch | None:
+    """None if both runs recorded the same thing at every step, else the first difference."""
+    for i in range(max(len(reference.records), len(candidate.records))):
+        ref = reference.records[i] if i < len(reference.records) else {"step": "<no more steps>"}
+        cand = candidate.records[i] if i < len(candidate.records) else {"step": "<no more steps>"}
+        if ref != cand:
+            step = ref.get("step", cand.get("step", i))
+            return Mismatch(
+                reference.scenario_id,
+                step if isinstance(step, int) else i,
+                diff_values(ref, cand) or [("<record>", ref, cand)],
+                f"{reference.scheduler_cls} with {reference.manager_cls}",
+                f"{candidate.scheduler_cls} with {candidate.manager_cls}",
+            )
+    if reference.finished != candidate.finished:
+        return Mismatch(
+            reference.scenario_id,
+            len(reference.records),
+            [("finished", reference.finished, candidate.finished)],
+            reference.scheduler_cls,
+            candidate.scheduler_cls,
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler class pairs
+# --------------------------------------------------------------------------------------
+
+
+def stock_class(scn: Scenario) -> type[Scheduler]:
+    """vLLM's own scheduler class for the scenario's engine."""
+    return AsyncScheduler if scn.is_async else Scheduler
+
+
+def kvblocks_class(scn: Scenario) -> type[Scheduler]:
+    """kvblocks' scheduler subclass for the scenario's engine."""
+    from kvblocks.vllm import KVBlocksAsyncScheduler, KVBlocksScheduler
+
+    return KVBlocksAsyncScheduler if scn.is_async else KVBlocksScheduler
+
+
+def candidate_class(scn: Scenario, candidate: str) -> type[Scheduler]:
+    """``"kvblocks"``: kvblocks' subclass; ``"stock"``: vLLM's class (harness self-check)."""
+    if candidate == "stock":
+        return stock_class(scn)
+    if candidate == "kvblocks":
+        return kvblocks_class(scn)
+    raise ValueError(f"unknown candidate {candidate!r} (use 'kvblocks' or 'stock')")
+
+
+def differential(
+    scn: Scenario, model_dir: Path, candidate: str = "kvblocks"
+) -> tuple[RunResult, RunResult, Mismatch | None]:
+    """Run ``scn`` with vLLM's scheduler and with the candidate, and compare."""
+    reference = run_scenario(scn, stock_class(scn), model_dir, count_manager_calls=True)
+    other = run_scenario(scn, candidate_class(scn, candidate), model_dir)
+    return reference, other, compare_runs(reference, other)
+
+
+def all_scenarios(seeds_per_family: int) -> Iterable[Scenario]:
+    for family in FAMILIES:
+        for engine in ENGINES:
+            for seed in range(seeds_per_family):
+                yield make_scenario(family, seed, engine)
+
+
+#: Scenario families whose requests can fail together under the ``fail`` policy.
+FAILING_FAMILIES = ("connector", "deferred", "mixed")
+
+
+def failing_together(
+    model_dir: Path, candidate: str, seeds: int, repeats: int
+) -> tuple[list[str], list[Mismatch]]:
+    """Replay, ``repeats`` times each, the scenarios in which vLLM fails several requests
+    in one step (``fail`` policy), and return their ids and the differences found.
+
+    vLLM finishes and frees such requests in the iteration order of a set of their ids,
+    which depends on ``PYTHONHASHSEED`` and on the order the ids went in; that order
+    decides the free queue and so later block ids. A candidate that builds the set in
+    another order differs only when two ids collide in the set's table, so only under
+    some seeds, and a candidate whose order varies from run to run differs only on some
+    runs: hence the repeats (and a fixed seed in a subprocess, in the tests).
+    """
+    checked: list[str] = []
+    mismatches: list[Mismatch] = []
+    for family in FAILING_FAMILIES:
+        for engine in ENGINES:
+            for seed in range(seeds):
+                scn = make_scenario(family, seed, engine)
+                if scn.connector_policy != "fail":
+                    continue
+                reference = run_scenario(scn, stock_class(scn), model_dir, count_manager_calls=True)
+                if not reference.coverage["multi_error_step"]:
+                    continue
+                checked.append(scn.scenario_id)
+                for _ in range(repeats):
+                    other = run_scenario(scn, candidate_class(scn, candidate), model_dir)
+                    mismatch = compare_runs(reference, other)
+                    if mismatch is not None:
+                        mismatches.append(mismatch)
+                        break
+    return checked, mismatches
+
+
+def main(argv: list[str]) -> int:
+    """``harness.py SCENARIO_ID [stock|kvblocks] [--repeat N]``: replay one scenario on
+    vLLM's scheduler and on the candidate (N times), print the first difference.
+    ``harness.py --failing-together [stock|kvblocks] [--repeat N] [--seeds S]``: the
+    check of :func:`failing_together`."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("scenario_id", nargs="?", help="e.g. connector-s3-async")
+    parser.add_argument("candidate", nargs="?", default="kvblocks", choices=["kvblocks", "stock"])
+    parser.add_argument("--repeat", type=int, default=1, help="candidate runs (default 1)")
+    parser.add_argument("--failing-together", action="store_true")
+    parser.add_argument("--seeds", type=int, default=20, help="seeds per family (default 20)")
+    args = parser.parse_args(argv)
+    if args.failing_together:
+        if args.scenario_id in ("kvblocks", "stock"):
+            args.candidate = args.scenario_id
+        with tempfile.TemporaryDirectory() as tmp:
+            checked, mismatches = failing_together(
+                write_tiny_model(Path(tmp)), args.candidate, args.seeds, args.repeat
+            )
+        print(f"checked {len(checked)} scenarios: {' '.join(checked)}")
+        for found in mismatches:
+            print(found)
+        return 1 if mismatches or not checked else 0
+    if args.scenario_id is None:
+        parser.error("a scenario id or --failing-together is needed")
+    scn = make_scenario(*parse_scenario_id(args.scenario_id))
+    print(scn)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp))
+        ref = run_scenario(scn, stock_class(scn), model_dir, count_manager_calls=True)
+        print(f"reference: {len(ref.records)} steps, finished={ref.finished}")
+        print(f"  covers {dict(sorted(ref.coverage.items()))}")
+        for attempt in range(1, args.repeat + 1):
+            cand = run_scenario(scn, candidate_class(scn, args.candidate), model_dir)
+            mismatch = compare_runs(ref, cand)
+            print(f"candidate run {attempt}: {len(cand.records)} steps, {cand.manager_cls}")
+            if mismatch is not None:
+                print(mismatch)
+                return 1
+    print("no difference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,289 @@
+"""vLLM 0.33.0's Scheduler behaves the same with kvblocks' KV cache manager as with its own.
+
+Every scenario (``harness.make_scenario``) runs twice in this process: once on vLLM's
+``Scheduler``/``AsyncScheduler`` and once on ``KVBlocksScheduler``/``KVBlocksAsyncScheduler``,
+with the same requests, the same fake model outputs and the same connector results. At
+every step the normalised ``SchedulerOutput`` (block ids, scheduled tokens, preemptions,
+connector metadata), the ``EngineCoreOutputs`` (tokens, finish reasons, ``prefill_stats``,
+``SchedulerStats`` with ``kv_cache_usage`` and prefix-cache stats), the published KV events
+and the results of ``reset_prefix_cache`` must be equal.
+
+``KVBLOCKS_DIFF_CANDIDATE=stock`` runs vLLM's class on both sides (a self-check of the
+harness). A failure prints the step, each differing field with both values, and the command
+that replays the scenario alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import harness
+import pytest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+SEEDS_PER_FAMILY = 20
+CANDIDATE = os.environ.get("KVBLOCKS_DIFF_CANDIDATE", "kvblocks")
+
+SCENARIO_IDS = [
+    f"{family}-s{seed}-{engine}"
+    for family in harness.FAMILIES
+    for engine in harness.ENGINES
+    for seed in range(SEEDS_PER_FAMILY)
+]
+
+#: What the reference runs exercised, by engine; checked once every scenario has run.
+COVERAGE: dict[str, Counter[str]] = {engine: Counter() for engine in harness.ENGINES}
+SEEN: set[str] = set()
+
+
+@pytest.fixture(scope="module")
+def candidate() -> str:
+    """The scheduler compared with vLLM's: kvblocks' (default) or vLLM's own (``stock``)."""
+    if CANDIDATE == "kvblocks":
+        try:
+            import kvblocks.vllm  # noqa: F401
+        except ImportError as exc:
+            pytest.fail(
+                f"kvblocks.vllm is not importable in this environment ({exc}); install "
+                "kvblocks into the vLLM venv, or set KVBLOCKS_DIFF_CANDIDATE=stock to check "
+                "the harness against vLLM alone"
+            )
+    elif CANDIDATE != "stock":
+        pytest.fail(f"KVBLOCKS_DIFF_CANDIDATE must be 'kvblocks' or 'stock', not {CANDIDATE!r}")
+    return CANDIDATE
+
+
+def _assert_kvblocks_manager(result: harness.RunResult, candidate: str) -> None:
+    if candidate != "kvblocks":
+        return
+    from kvblocks.vllm import KVCacheManager
+
+    assert issubclass(result.manager_type, KVCacheManager), (
+        f"{result.scenario_id}: {result.scheduler_cls} built {result.manager_cls}, not "
+        "kvblocks.vllm.KVCacheManager, for a configuration kvblocks supports"
+    )
+
+
+@pytest.mark.parametrize("scenario_id", SCENARIO_IDS)
+def test_same_as_vllm(scenario_id: str, tiny_model_dir: Path, candidate: str) -> None:
+    scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
+    reference, other, mismatch = harness.differential(scn, tiny_model_dir, candidate)
+    COVERAGE[scn.engine].update(reference.coverage)
+    SEEN.add(scenario_id)
+    assert "exception" not in reference.records[-1], (
+        f"{scenario_id}: vLLM's own scheduler raised: {reference.records[-1]['exception']}"
+    )
+    assert reference.finished or reference.stalled, (
+        f"{scenario_id}: vLLM's own scheduler did not finish in {scn.max_steps} steps"
+    )
+    _assert_kvblocks_manager(other, candidate)
+    assert mismatch is None, str(mismatch)
+
+
+REPEATS = 6
+
+
+def test_requests_failing_together_finish_in_vllm_order(
+    tiny_model_dir: Path, candidate: str
+) -> None:
+    """When several requests fail in one step, the candidate finishes (and frees) them in
+    vLLM's order on every run (``harness.failing_together``), under this process's seed."""
+    checked, mismatches = harness.failing_together(
+        tiny_model_dir, candidate, SEEDS_PER_FAMILY, REPEATS
+    )
+    assert checked, "no scenario failed several requests in one step"
+    assert not mismatches, "\n".join(str(m) for m in mismatches)
+
+
+@pytest.mark.parametrize("hash_seed", ["0"])
+def test_requests_failing_together_under_a_fixed_hash_seed(hash_seed: str, candidate: str) -> None:
+    """The same check in a subprocess with a fixed ``PYTHONHASHSEED``, so ids that collide
+    in vLLM's set do so on every run of the suite (this process's seed is random)."""
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    proc = subprocess.run(
+        [sys.executable, harness.__file__, "--failing-together", candidate, "--repeat", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    report = [line for line in proc.stdout.splitlines() if not line.startswith(("INFO", "WARN"))]
+    assert proc.returncode == 0, (
+        f"PYTHONHASHSEED={hash_seed}: " + "\n".join(report) + "\n" + proc.stderr[-2000:]
+    )
+
+
+#: Paths every engine's scenarios must take at least once (counted on vLLM's runs).
+REQUIRED_EVERYWHERE = (
+    "prefix_hit",
+    "multiturn",
+    "prefill_chunk",
+    "preempted",
+    "resumed",
+    "stats_preempted",
+    "aborted",
+    "reset_ok",
+    "reset_ok_running",
+    "reset_refused",
+    "stats_reset",
+    "spec_scheduled",
+    "spec_accepted",
+    "event_batches",
+    "prefill_stats_cached",
+    "load_sync",
+    "load_async",
+    "invalid_sync:recompute",
+    "invalid_sync:fail",
+    "invalid_async:recompute",
+    "invalid_async:fail",
+    "failed_recving:recompute",
+    "failed_recving:fail",
+    "finished_error",
+    "multi_error_step",
+    "call:evict_blocks",
+    "call:cache_blocks",
+)
+#: Paths only overlapping batches take: deferred frees need a step still in flight.
+REQUIRED_ASYNC = ("call:pop_blocks_for_free", "deferred_frees_pending", "abort_remote_kv")
+
+
+def test_scenarios_cover_every_path() -> None:
+    """The scenarios above reach every path the suite claims to test (on vLLM's runs)."""
+    if len(SEEN) < len(SCENARIO_IDS):
+        pytest.skip("needs every scenario of test_same_as_vllm to have run first")
+    assert len(SCENARIO_IDS) >= 200
+    for engine, counts in COVERAGE.items():
+        required = REQUIRED_EVERYWHERE + (REQUIRED_ASYNC if engine == "async" else ())
+        missing = [key for key in required if not counts[key]]
+        assert not missing, f"{engine} scenarios never reached {missing}: {dict(counts)}"
+
+
+# --------------------------------------------------------------------------------------
+# The comparison can fail
+# --------------------------------------------------------------------------------------
+
+
+class _ManagerProxy:
+    """Delegates to a KV cache manager, with some members replaced."""
+
+    def __init__(self, inner: Any, **overrides: Any) -> None:
+        self._inner = inner
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _extra_block(cls: type[Scheduler]) -> type[Scheduler]:
+    """``cls`` whose manager holds one block for a request the scheduler never sees."""
+
+    class ExtraBlock(cls):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            hidden = Request(
+                request_id="__hidden__",
+                prompt_token_ids=[1] * self.block_size,
+                sampling_params=SamplingParams(max_tokens=1),
+                pooling_params=None,
+                arrival_time=0.0,
+                block_hasher=get_request_block_hasher(self.block_size, sha256),
+            )
+            assert self.kv_cache_manager.allocate_slots(hidden, self.block_size) is not None
+
+    return ExtraBlock
+
+
+def _with_manager(cls: type[Scheduler], **overrides: Any) -> type[Scheduler]:
+    """``cls`` whose manager is seen through a proxy replacing ``overrides``."""
+
+    class Perturbed(cls):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            inner = vars(self)["kv_cache_manager"]
+            bound = {name: make(inner) for name, make in overrides.items()}
+            self.kv_cache_manager = _ManagerProxy(inner, **bound)
+
+    return Perturbed
+
+
+def _cached_plus_one(inner: Any) -> Any:
+    return lambda request: inner.estimate_cached_tokens(request) + 1
+
+
+def _no_events(inner: Any) -> Any:
+    def take_events() -> list[Any]:
+        inner.take_events()
+        return []
+
+    return take_events
+
+
+PERTURBATIONS = {
+    # (how the candidate is perturbed, a field the first difference must name)
+    "extra-block": (_extra_block, "block_ids"),
+    "cached-tokens": (
+        lambda cls: _with_manager(cls, estimate_cached_tokens=_cached_plus_one),
+        "prefill_stats",
+    ),
+    "events": (lambda cls: _with_manager(cls, take_events=_no_events), "events"),
+}
+
+
+@pytest.mark.parametrize("engine", harness.ENGINES)
+@pytest.mark.parametrize("perturbation", sorted(PERTURBATIONS))
+def test_comparison_reports_a_perturbed_manager(
+    perturbation: str, engine: str, tiny_model_dir: Path, candidate: str
+) -> None:
+    """A manager that differs (one block too many, a cached-token count off by one, events
+    dropped) is reported, at the step and field where it first shows."""
+    scn = dataclasses.replace(harness.make_scenario("prefix", 1, engine), events=True)
+    base = harness.candidate_class(scn, candidate)
+    perturb, field = PERTURBATIONS[perturbation]
+    reference = harness.run_scenario(scn, harness.stock_class(scn), tiny_model_dir)
+    assert reference.coverage["prefill_stats_cached"] and reference.coverage["event_batches"]
+    perturbed = harness.run_scenario(scn, perturb(base), tiny_model_dir)
+    mismatch = harness.compare_runs(reference, perturbed)
+    assert mismatch is not None, f"the comparison missed the {perturbation} perturbation"
+    assert any(field in path for path, _, _ in mismatch.diffs), str(mismatch)
+    text = str(mismatch)
+    assert f"step {mismatch.step}" in text
+    assert "reference:" in text
+    assert "candidate:" in text
+    assert f"harness.py {scn.scenario_id}" in text
+
+
+def test_comparison_reports_different_inputs(tiny_model_dir: Path) -> None:
+    """Two different scenarios on the same scheduler class differ (in the prompts)."""
+    one = harness.make_scenario("prefix", 0, "sync")
+    two = harness.make_scenario("prefix", 1, "sync")
+    first = harness.run_scenario(one, Scheduler, tiny_model_dir)
+    second = harness.run_scenario(two, Scheduler, tiny_model_dir)
+    mismatch = harness.compare_runs(first, second)
+    assert mismatch is not None
+    assert any("prompt_token_ids" in path for path, _, _ in mismatch.diffs), str(mismatch)
+    assert harness.compare_runs(first, harness.run_scenario(one, Scheduler, tiny_model_dir)) is None
+
+
+def test_normalise_refuses_unknown_objects() -> None:
+    """A field holding an object the normaliser does not know is an error, not ignored."""
+    with pytest.raises(TypeError, match=r"at so\.field"):
+        harness.normalise(object(), "so.field")
+    assert harness.normalise({"b": {2, 1}, "a": (b"\x01",)}) == [["b", [1, 2]], ["a", ["01"]]]
+
+
+def test_scenario_ids_round_trip() -> None:
+    for scenario_id in SCENARIO_IDS[:: len(harness.FAMILIES)]:
+        scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
+        assert scn.scenario_id == scenario_id
+        assert scn == harness.make_scenario(scn.family, scn.seed, scn.engine)
