@@ -232,6 +232,14 @@ def test_supported_configuration(kvb: ModuleType, scheduler_kwargs: dict[str, An
         pytest.param(
             {"kv_cache_config": _kv_config(_attention(MLAAttentionSpec))}, id="mla-attention"
         ),
+        pytest.param(
+            {
+                "kv_cache_config": dataclasses.replace(
+                    _kv_config(_attention()), prefix_cache_retention_interval=0
+                )
+            },
+            id="retention-interval-0",
+        ),
     ],
 )
 def test_supported_variants(
@@ -337,3 +345,16 @@ def test_kvblocks_schedulers_build_kvblocks_manager(
     sched = build_with(cls, tiny_model_dir, lambda config: None)
     assert isinstance(sched.kv_cache_manager, kvb.KVCacheManager)
     assert _SCHEDULER_GLOBALS["KVCacheManager"] is VllmKVCacheManager, "the name swap leaked"
+
+
+def test_a_retention_interval_leaves_vllm_to_refuse_it(
+    kvb: ModuleType, scheduler_kwargs: dict[str, Any]
+) -> None:
+    """vLLM accepts only 0 for full attention: kvblocks falls back, and vLLM's own
+    manager raises its error naming the fix."""
+    config = dataclasses.replace(_kv_config(_attention()), prefix_cache_retention_interval=16)
+    kwargs = {**scheduler_kwargs, "kv_cache_config": config}
+    reason = kvb.unsupported_reason(**kwargs)
+    assert reason is not None and "retention" in reason
+    with pytest.raises(ValueError, match="Set it to 0"):
+        kvb.make_kv_cache_manager(**kwargs)
