@@ -8,6 +8,7 @@ when ``KVBLOCKS_BACKEND=python`` is set. ``kvblocks.BACKEND`` names the one in u
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import warnings
 from types import ModuleType
@@ -20,6 +21,9 @@ from kvblocks.errors import (
     UnknownBlockError,
     UnsupportedLayoutError,
 )
+
+#: The installed version: the Cargo workspace's, the one place it is written.
+__version__: str = importlib.metadata.version(__name__)
 
 #: The names every backend exports (``kvblocks.reference`` and ``kvblocks._native``).
 BACKEND_NAMES: tuple[str, ...] = (

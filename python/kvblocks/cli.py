@@ -74,6 +74,7 @@ def _positive_int(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvblocks`` console script."""
     parser = argparse.ArgumentParser(prog="kvblocks", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvblocks {kvblocks.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="a short walk through allocation, sharing and eviction")
     bench = sub.add_parser(
