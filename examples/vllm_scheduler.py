@@ -18,7 +18,6 @@ are the same, only the manager line differs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import zlib
@@ -33,19 +32,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 1024
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
-}
 
 
 def build_scheduler(model_dir: str, scheduler_cls: str) -> Any:
@@ -127,8 +113,9 @@ def run(scheduler_cls: str) -> int:
     from vllm.v1.outputs import ModelRunnerOutput
 
     with tempfile.TemporaryDirectory() as model_dir:
-        Path(model_dir, "config.json").write_text(json.dumps(TINY_LLAMA), encoding="utf-8")
-        scheduler = build_scheduler(model_dir, scheduler_cls)
+        from kvblocks.vllm.cpu import write_config_only_model
+
+        scheduler = build_scheduler(str(write_config_only_model(Path(model_dir))), scheduler_cls)
 
     manager = type(scheduler.kv_cache_manager)
     print(f"scheduler class: {type(scheduler).__module__}.{type(scheduler).__qualname__}")

@@ -58,9 +58,9 @@ else:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding only a tiny llama ``config.json`` (all vLLM reads of it)."""
-    import harness
+    from kvblocks.vllm.cpu import write_config_only_model
 
-    return harness.write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    return write_config_only_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(autouse=True)

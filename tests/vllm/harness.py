@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
+from kvblocks.vllm.cpu import VOCAB_SIZE, write_config_only_model
 from vllm.config import (
     CacheConfig,
     KVEventsConfig,
@@ -74,30 +75,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
-VOCAB_SIZE = 1000
 #: Steps without a scheduled token (and nothing pending) after which a run has stalled.
 STALL_STEPS = 40
-
-#: The tiny model: vLLM only reads its ``config.json`` (``skip_tokenizer_init=True``).
-TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
-}
-
-
-def write_tiny_model(directory: Path) -> Path:
-    """Write the tiny llama ``config.json`` into ``directory`` and return the directory."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG), encoding="utf-8")
-    return directory
 
 
 def crc(*parts: object) -> int:
@@ -1285,7 +1264,7 @@ def main(argv: list[str]) -> int:
             args.candidate = args.scenario_id
         with tempfile.TemporaryDirectory() as tmp:
             checked, mismatches = failing_together(
-                write_tiny_model(Path(tmp)), args.candidate, args.seeds, args.repeat
+                write_config_only_model(Path(tmp)), args.candidate, args.seeds, args.repeat
             )
         print(f"checked {len(checked)} scenarios: {' '.join(checked)}")
         for found in mismatches:
@@ -1296,7 +1275,7 @@ def main(argv: list[str]) -> int:
     scn = make_scenario(*parse_scenario_id(args.scenario_id))
     print(scn)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp))
+        model_dir = write_config_only_model(Path(tmp))
         ref = run_scenario(scn, stock_class(scn), model_dir, count_manager_calls=True)
         print(f"reference: {len(ref.records)} steps, finished={ref.finished}")
         print(f"  covers {dict(sorted(ref.coverage.items()))}")

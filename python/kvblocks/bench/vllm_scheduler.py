@@ -43,7 +43,6 @@ import atexit
 import functools
 import gc
 import importlib
-import json
 import logging
 import os
 import random
@@ -163,22 +162,11 @@ def _script(num_requests: int, seed: int) -> _Script:
 @functools.lru_cache(maxsize=1)
 def _model_dir() -> str:
     """A directory holding only a tiny Llama ``config.json``: the model vLLM's configs need."""
+    from kvblocks.vllm.cpu import write_config_only_model
+
     path = Path(tempfile.mkdtemp(prefix="kvblocks-bench-model-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "num_hidden_layers": 2,
-        "vocab_size": _VOCAB,
-        "max_position_embeddings": _MAX_MODEL_LEN,
-        "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    return str(path)
+    return str(write_config_only_model(path))
 
 
 def _build_scheduler(scheduler_cls: Any, num_requests: int, kv_load: bool) -> Any:

@@ -15,11 +15,12 @@ from typing import Any
 
 import msgspec
 from vllm.distributed import kv_events as vllm_events
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks._native import KVCacheBlock, KVCacheBlocks, VllmKVCacheManager
+from kvblocks.vllm.config import ManagerArgs
 
 __all__ = ["BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager"]
 
@@ -136,91 +137,46 @@ class KVCacheCoordinator:
 
 class KVCacheManager(VllmKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` for one full-attention KV cache group, with its
-    state and decisions in Rust. Takes vLLM's constructor arguments; build it through
+    state and decisions in Rust. Takes vLLM's constructor arguments
+    (:class:`~kvblocks.vllm.config.ManagerArgs`); build it through
     :func:`kvblocks.vllm.make_kv_cache_manager`, which falls back to vLLM's manager
     for configurations this one does not support."""
 
-    def __new__(  # noqa: PLR0917 (vLLM's signature)
-        cls,
-        kv_cache_config: KVCacheConfig,
-        max_model_len: int,
-        scheduler_block_size: int,
-        hash_block_size: int,
-        max_in_flight_tokens: int | None = None,
-        enable_caching: bool = True,
-        use_eagle: bool = False,
-        num_hash_lookahead_tokens: int = 0,
-        num_prefill_lookahead: int = 0,
-        log_stats: bool = False,
-        enable_kv_cache_events: bool = False,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-        metrics_collector: object | None = None,
-        watermark: float = 0.0,
-        enable_mamba_shared_prefix_checkpoint: bool = False,
-    ) -> KVCacheManager:
-        from kvblocks.vllm.factory import unsupported_reason
-
-        reason = unsupported_reason(
-            kv_cache_config=kv_cache_config,
-            max_model_len=max_model_len,
-            scheduler_block_size=scheduler_block_size,
-            hash_block_size=hash_block_size,
-            use_eagle=use_eagle,
-            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-            num_prefill_lookahead=num_prefill_lookahead,
-            dcp_world_size=dcp_world_size,
-            pcp_world_size=pcp_world_size,
-            metrics_collector=metrics_collector,
-            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
-        )
+    def __new__(cls, *args: Any, **kwargs: Any) -> KVCacheManager:
+        config = ManagerArgs(*args, **kwargs)
+        reason = config.unsupported_reason()
         if reason is not None:
             raise ValueError(f"kvblocks' KVCacheManager does not support {reason}")
         return super().__new__(
             cls,
-            kv_cache_config.num_blocks,
-            scheduler_block_size,
-            max_model_len,
-            enable_caching=enable_caching,
-            log_stats=log_stats,
-            enable_kv_cache_events=enable_kv_cache_events,
-            watermark=watermark,
+            config.kv_cache_config.num_blocks,
+            config.scheduler_block_size,
+            config.max_model_len,
+            enable_caching=config.enable_caching,
+            log_stats=config.log_stats,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            watermark=config.watermark,
             admission_statuses=list(ADMISSION_STATUSES),
         )
 
-    def __init__(  # noqa: PLR0917 (vLLM's signature)
-        self,
-        kv_cache_config: KVCacheConfig,
-        max_model_len: int,
-        scheduler_block_size: int,
-        hash_block_size: int,
-        max_in_flight_tokens: int | None = None,
-        enable_caching: bool = True,
-        use_eagle: bool = False,
-        num_hash_lookahead_tokens: int = 0,
-        num_prefill_lookahead: int = 0,
-        log_stats: bool = False,
-        enable_kv_cache_events: bool = False,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-        metrics_collector: object | None = None,
-        watermark: float = 0.0,
-        enable_mamba_shared_prefix_checkpoint: bool = False,
-    ) -> None:
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.kv_cache_config = kv_cache_config
-        self.max_model_len = max_model_len
-        self.log_stats = log_stats
-        self.enable_kv_cache_events = enable_kv_cache_events
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = ManagerArgs(*args, **kwargs)
+        self.kv_cache_config = config.kv_cache_config
+        self.max_model_len = config.max_model_len
+        self.log_stats = config.log_stats
+        self.enable_kv_cache_events = config.enable_kv_cache_events
         self.use_eagle = False
         self.metrics_collector = None
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.kv_cache_event_metadata = ((FULL_ATTENTION_KIND, None),)
         pool = BlockPool(
-            super().block_pool, enable_caching=enable_caching, block_size=scheduler_block_size
+            super().block_pool,
+            enable_caching=config.enable_caching,
+            block_size=config.scheduler_block_size,
         )
         self._vllm_block_pool = pool
+        spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.coordinator = KVCacheCoordinator(self, spec, pool)
 
     @property

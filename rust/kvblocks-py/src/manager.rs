@@ -26,7 +26,7 @@ use crate::request::PyRequest;
 /// A duck-typed request's `block_hashes`, converted lazily: the manager asks only for
 /// the ranges a call needs. A Python error met while converting is kept and re-raised
 /// as it was, after the core call returned (having changed nothing).
-struct PyHashes<'py> {
+pub(crate) struct PyHashes<'py> {
     seq: HashSeq<'py>,
     len: usize,
     error: StashedError,
@@ -34,7 +34,12 @@ struct PyHashes<'py> {
 
 impl<'py> PyHashes<'py> {
     fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
-        let seq = HashSeq::new(request.getattr("block_hashes")?.cast_into::<PySequence>()?);
+        Self::of(request.getattr("block_hashes")?.cast_into::<PySequence>()?)
+    }
+
+    /// The hashes of `seq` (a request's `block_hashes`).
+    pub(crate) fn of(seq: Bound<'py, PySequence>) -> PyResult<Self> {
+        let seq = HashSeq::new(seq);
         let len = seq.len()?;
         Ok(Self {
             seq,
@@ -44,7 +49,7 @@ impl<'py> PyHashes<'py> {
     }
 
     /// The core result, or the Python error the conversion hit.
-    fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
+    pub(crate) fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
         match self.error.take() {
             Some(err) => Err(err),
             None => result.py(),

@@ -21,49 +21,34 @@ use pyo3::types::{PyList, PySequence, PyString, PyTuple};
 use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, Flag};
-use crate::errors::{IntoPyResult, StashedError};
+use crate::errors::IntoPyResult;
 use crate::events::RequestTokens;
-use crate::manager::PyKVCacheManager;
-use crate::pool::{HashSeq, PyKVCacheBlock};
+use crate::manager::{PyHashes, PyKVCacheManager};
+use crate::pool::PyKVCacheBlock;
 
 /// A request's block hashes: those read before from the cache, the rest converted from
 /// `request.block_hashes` as the core asks for them and added to the cache (vLLM only
 /// ever appends to that list).
 struct CachedHashes<'a, 'py> {
-    seq: HashSeq<'py>,
-    len: usize,
+    source: PyHashes<'py>,
     cache: RefCell<&'a mut Vec<BlockHash>>,
-    error: StashedError,
 }
 
 impl CachedHashes<'_, '_> {
     /// Converts the hashes up to `end` that the cache does not hold yet.
     fn fill(&self, end: usize) -> kvblocks_core::Result<()> {
         let mut cache = self.cache.borrow_mut();
-        if cache.len() >= end {
-            return Ok(());
+        let start = cache.len();
+        if start < end {
+            self.source.hashes(start..end, &mut cache)?;
         }
-        match self.seq.range(cache.len()..end) {
-            Ok(hashes) => {
-                cache.extend(hashes);
-                Ok(())
-            }
-            Err(err) => Err(self.error.keep(err, "block hash conversion")),
-        }
-    }
-
-    /// The core result, or the Python error the conversion hit.
-    fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
-        match self.error.take() {
-            Some(err) => Err(err),
-            None => result.py(),
-        }
+        Ok(())
     }
 }
 
 impl HashSource for CachedHashes<'_, '_> {
     fn num_hashes(&self) -> usize {
-        self.len
+        self.source.num_hashes()
     }
 
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
@@ -82,19 +67,18 @@ struct VllmRequest<'py> {
     request_id: Bound<'py, PyString>,
     num_tokens: i64,
     num_computed_tokens: i64,
-    block_hashes: HashSeq<'py>,
-    num_hashes: usize,
+    block_hashes: PyHashes<'py>,
 }
 
 impl<'py> VllmRequest<'py> {
     fn read(request: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = request.py();
-        let block_hashes = HashSeq::new(
-            request
-                .getattr(intern!(py, "block_hashes"))?
-                .cast_into::<PySequence>()?,
-        );
         Ok(Self {
+            block_hashes: PyHashes::of(
+                request
+                    .getattr(intern!(py, "block_hashes"))?
+                    .cast_into::<PySequence>()?,
+            )?,
             request_id: request
                 .getattr(intern!(py, "request_id"))?
                 .cast_into::<PyString>()?,
@@ -102,8 +86,6 @@ impl<'py> VllmRequest<'py> {
             num_computed_tokens: request
                 .getattr(intern!(py, "num_computed_tokens"))?
                 .extract()?,
-            num_hashes: block_hashes.len()?,
-            block_hashes,
         })
     }
 }
@@ -310,12 +292,10 @@ impl PyVllmManager {
         // Out of the manager while the base is borrowed; moving a map copies 3 words.
         let mut caches = std::mem::take(&mut this.hashes);
         let cache = caches.entry_ref(id).or_default();
-        cache.truncate(req.num_hashes);
+        cache.truncate(req.block_hashes.num_hashes());
         let hashes = CachedHashes {
-            seq: req.block_hashes,
-            len: req.num_hashes,
+            source: req.block_hashes,
             cache: RefCell::new(cache),
-            error: StashedError::default(),
         };
         let base: &mut PyKVCacheManager = &mut *this.as_super();
         let tokens = RequestTokens::new(base.events.as_ref(), request);
@@ -326,7 +306,9 @@ impl PyVllmManager {
             num_computed_tokens: req.num_computed_tokens,
             block_hashes: &hashes as &dyn HashSource,
         };
-        let result = hashes.finish(tokens.run(&view, |view| f(base, &tokens, view)));
+        let result = hashes
+            .source
+            .finish(tokens.run(&view, |view| f(base, &tokens, view)));
         let result = tokens.finish(result, base.events.as_mut(), base.inner.events(), before);
         this.hashes = caches;
         result
