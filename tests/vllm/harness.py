@@ -1103,8 +1103,8 @@ class Mismatch:
         if len(self.diffs) > 12:
             lines.append(f"  ... and {len(self.diffs) - 12} more differing fields")
         lines.append(
-            "  reproduce: cd /work/main && /root/.cache/kvblocks/vllm-venv/bin/python "
-            f"tests/vllm/harness.py {self.scenario_id} [--repeat N]"
+            f"  reproduce: {sys.executable} {Path(__file__).resolve()} "
+            f"{self.scenario_id} [--repeat N]"
         )
         return "\n".join(lines)
 
