@@ -340,7 +340,7 @@ class VllmKVCacheManager(KVCacheManager):
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
         watermark: float = 0.0,
-        admission_statuses: Sequence[int] = ...,
+        admission_statuses: Sequence[int],
     ) -> Self: ...
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlocks: ...

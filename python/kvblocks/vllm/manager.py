@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 from vllm.distributed import kv_events as vllm_events
-from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_spec_kind
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -26,9 +26,6 @@ __all__ = ["BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager"]
 
 #: The statuses of requests being admitted, which the watermark applies to.
 ADMISSION_STATUSES = (int(RequestStatus.WAITING), int(RequestStatus.PREEMPTED))
-
-#: ``kv_cache_spec_kind`` of the one group (vLLM's annotation of ``BlockStored``).
-FULL_ATTENTION_KIND = "full_attention"
 
 
 def block_ids(blocks: Iterable[KVCacheBlock | int]) -> list[int]:
@@ -169,14 +166,15 @@ class KVCacheManager(VllmKVCacheManager):
         self.metrics_collector = None
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
-        self.kv_cache_event_metadata = ((FULL_ATTENTION_KIND, None),)
+        spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        # vLLM's annotation of BlockStored: "full_attention", or "mla_attention" for MLA.
+        self.kv_cache_event_metadata = ((get_kv_cache_spec_kind(spec).value, None),)
         pool = BlockPool(
             super().block_pool,
             enable_caching=config.enable_caching,
             block_size=config.scheduler_block_size,
         )
         self._vllm_block_pool = pool
-        spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.coordinator = KVCacheCoordinator(self, spec, pool)
 
     @property
@@ -218,7 +216,8 @@ class KVCacheManager(VllmKVCacheManager):
 
     def take_events(self) -> list[vllm_events.KVCacheEvent]:  # type: ignore[override]
         """The KV cache events since the last call, as vLLM's own event structs."""
-        return [to_vllm_event(event) for event in super().take_events()]
+        kind = self.kv_cache_event_metadata[0][0]
+        return [to_vllm_event(event, kind) for event in super().take_events()]
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (no cascade attention): ``[0]``."""
@@ -252,8 +251,11 @@ class KVCacheManager(VllmKVCacheManager):
         """No zeroing with one uniform full-attention group."""
 
 
-def to_vllm_event(event: Any) -> vllm_events.KVCacheEvent:
-    """A kvblocks event struct as vLLM's struct of the same name and fields."""
+def to_vllm_event(event: Any, spec_kind: str) -> vllm_events.KVCacheEvent:
+    """A kvblocks event struct as vLLM's struct of the same name and fields, a
+    ``BlockStored`` annotated with the group's ``kv_cache_spec_kind``."""
     cls = getattr(vllm_events, type(event).__name__)
     fields = msgspec.structs.asdict(event)
+    if "kv_cache_spec_kind" in fields:
+        fields["kv_cache_spec_kind"] = spec_kind
     return cls(**{name: fields[name] for name in cls.__struct_fields__ if name in fields})  # type: ignore[no-any-return]

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -26,7 +27,8 @@ from kvblocks.vllm.manager import KVCacheManager
 
 __all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "in_vllm_order", "rollback_mode"]
 
-logger = logging.getLogger("vllm.kvblocks")
+# vLLM's own scheduler logger: the rollback's lines are vLLM's, word for word.
+logger = logging.getLogger(scheduler_module.__name__)
 
 #: ``KVBLOCKS_ROLLBACK_MODE`` values: vLLM's exact semantics, or kvblocks' strict mode.
 ROLLBACK_MODES = ("vllm", "strict")
@@ -65,7 +67,8 @@ class _KVBlocksScheduling:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._rollback_mode = rollback_mode()
-        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        # vLLM's own __init__ reports a missing vllm_config; the factory then sees None.
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         with _swap_lock:
             saved = bind_manager_factory(partial(make_kv_cache_manager, vllm_config=vllm_config))
             try:
@@ -73,6 +76,8 @@ class _KVBlocksScheduling:
             finally:
                 bind_manager_factory(saved)
 
+    # vLLM calls this only from _handle_invalid_blocks, overridden below; it stays for
+    # subclasses and out-of-tree callers, with the same native rollback.
     def _update_requests_with_invalid_blocks(
         self,
         requests: Iterable[Request],

@@ -278,7 +278,7 @@ impl KVCacheManager {
     pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
         if !watermark.is_finite() || watermark < 0.0 {
             return Err(Error::InvalidArgument(format!(
-                "watermark must be non-negative, got {watermark}"
+                "watermark must be a finite non-negative fraction, got {watermark}"
             )));
         }
         // Truncation toward zero is vLLM's `int()`; the product is non-negative.
@@ -387,7 +387,7 @@ impl KVCacheManager {
             return Ok((Vec::new(), 0));
         }
         let max_tokens = match lookup.max_cache_hit_length {
-            Some(m) => usize::try_from(m).unwrap_or(0),
+            Some(m) => non_negative("max_cache_hit_length", m)?,
             None => num_tokens.saturating_sub(1),
         };
         let max_blocks = (max_tokens / self.block_size).min(request.block_hashes.num_hashes());

@@ -164,7 +164,7 @@ fn the_watermark_applies_to_admissions_while_others_are_scheduled() {
         let err = mgr.set_watermark(bad).unwrap_err();
         assert!(
             err.to_string()
-                .starts_with("watermark must be non-negative"),
+                .starts_with("watermark must be a finite non-negative fraction"),
             "{err}"
         );
     }
@@ -286,9 +286,13 @@ fn lookups_are_bounded_and_may_be_skipped() {
         max_cache_hit_length: Some(-1),
         ..Lookup::default()
     };
+    // vLLM's islice refuses a negative bound too.
     assert_eq!(
-        mgr.get_computed_blocks_with(&r1, negative).unwrap(),
-        (vec![], 0)
+        mgr.get_computed_blocks_with(&r1, negative).unwrap_err(),
+        Error::Negative {
+            name: "max_cache_hit_length",
+            value: -1
+        }
     );
 }
 

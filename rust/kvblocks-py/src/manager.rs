@@ -48,6 +48,19 @@ impl<'py> PyHashes<'py> {
         })
     }
 
+    /// Item `i` itself, unconverted (`None` past the end).
+    pub(crate) fn item(&self, i: usize) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if i >= self.len {
+            return Ok(None);
+        }
+        self.seq.item(i).map(Some)
+    }
+
+    /// Keeps `err` to be raised by [`Self::finish`]; the core's placeholder error.
+    pub(crate) fn keep(&self, err: PyErr) -> kvblocks_core::Error {
+        self.error.keep(err, "block hash conversion")
+    }
+
     /// The core result, or the Python error the conversion hit.
     pub(crate) fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
         match self.error.take() {
@@ -68,14 +81,12 @@ impl HashSource for PyHashes<'_> {
                 out.extend(hashes);
                 Ok(())
             }
-            Err(err) => Err(self.error.keep(err, "block hash conversion")),
+            Err(err) => Err(self.keep(err)),
         }
     }
 
     fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
-        self.seq
-            .get(i)
-            .map_err(|err| self.error.keep(err, "block hash conversion"))
+        self.seq.get(i).map_err(|err| self.keep(err))
     }
 }
 

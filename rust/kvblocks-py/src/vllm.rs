@@ -26,21 +26,64 @@ use crate::events::RequestTokens;
 use crate::manager::{PyHashes, PyKVCacheManager};
 use crate::pool::PyKVCacheBlock;
 
-/// A request's block hashes: those read before from the cache, the rest converted from
-/// `request.block_hashes` as the core asks for them and added to the cache (vLLM only
-/// ever appends to that list).
+/// The block hashes of one request converted so far, and the `block_hashes` item the
+/// last of them was read from.
+#[derive(Default)]
+struct HashCache {
+    hashes: Vec<BlockHash>,
+    last: Option<Py<PyAny>>,
+}
+
+impl HashCache {
+    /// Keeps what is still current. vLLM appends to `request.block_hashes`, but also
+    /// cuts its tail and regrows it (a streaming session's update) or rebuilds it: then
+    /// the item the last cached hash came from is no longer in its place (an identity
+    /// test, one item per call), and the cache starts over.
+    fn sync(&mut self, source: &PyHashes<'_>) -> PyResult<()> {
+        if self.hashes.len() > source.num_hashes() {
+            self.hashes.truncate(source.num_hashes());
+            self.last = self
+                .hashes
+                .len()
+                .checked_sub(1)
+                .map(|i| source.item(i))
+                .transpose()?
+                .flatten()
+                .map(Bound::unbind);
+        }
+        let Some(i) = self.hashes.len().checked_sub(1) else {
+            return Ok(());
+        };
+        let current = source.item(i)?;
+        if current.as_ref().map(Bound::as_ptr) != self.last.as_ref().map(Py::as_ptr) {
+            self.hashes.clear();
+            self.last = None;
+        }
+        Ok(())
+    }
+}
+
+/// A request's block hashes: those read before from its [`HashCache`], the rest
+/// converted from `request.block_hashes` as the core asks for them and added to it.
 struct CachedHashes<'a, 'py> {
     source: PyHashes<'py>,
-    cache: RefCell<&'a mut Vec<BlockHash>>,
+    cache: RefCell<&'a mut HashCache>,
 }
 
 impl CachedHashes<'_, '_> {
     /// Converts the hashes up to `end` that the cache does not hold yet.
     fn fill(&self, end: usize) -> kvblocks_core::Result<()> {
         let mut cache = self.cache.borrow_mut();
-        let start = cache.len();
+        let start = cache.hashes.len();
         if start < end {
-            self.source.hashes(start..end, &mut cache)?;
+            self.source.hashes(start..end, &mut cache.hashes)?;
+            match self.source.item(end - 1) {
+                Ok(item) => cache.last = item.map(Bound::unbind),
+                Err(err) => {
+                    cache.hashes.truncate(start);
+                    return Err(self.source.keep(err));
+                }
+            }
         }
         Ok(())
     }
@@ -53,12 +96,12 @@ impl HashSource for CachedHashes<'_, '_> {
 
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
         self.fill(range.end)?;
-        self.cache.borrow().as_slice().hashes(range, out)
+        self.cache.borrow().hashes.as_slice().hashes(range, out)
     }
 
     fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
         self.fill(i + 1)?;
-        self.cache.borrow().as_slice().hash(i)
+        self.cache.borrow().hashes.as_slice().hash(i)
     }
 }
 
@@ -73,20 +116,39 @@ struct VllmRequest<'py> {
 impl<'py> VllmRequest<'py> {
     fn read(request: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = request.py();
+        let attr = |name: &Bound<'py, PyString>| request.getattr(name).map_err(|e| named(name, &e));
+        let hashes = intern!(py, "block_hashes");
+        let id = intern!(py, "request_id");
         Ok(Self {
             block_hashes: PyHashes::of(
-                request
-                    .getattr(intern!(py, "block_hashes"))?
-                    .cast_into::<PySequence>()?,
+                attr(hashes)?
+                    .cast_into::<PySequence>()
+                    .map_err(|e| named(hashes, &e.into()))?,
             )?,
-            request_id: request
-                .getattr(intern!(py, "request_id"))?
-                .cast_into::<PyString>()?,
-            num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
-            num_computed_tokens: request
-                .getattr(intern!(py, "num_computed_tokens"))?
-                .extract()?,
+            request_id: attr(id)?
+                .cast_into::<PyString>()
+                .map_err(|e| named(id, &e.into()))?,
+            num_tokens: request_attr(request, intern!(py, "num_tokens"))?,
+            num_computed_tokens: request_attr(request, intern!(py, "num_computed_tokens"))?,
         })
+    }
+}
+
+/// An int attribute of the request; an error names it.
+fn request_attr(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+    request
+        .getattr(name)
+        .and_then(|v| v.extract())
+        .map_err(|e| named(name, &e))
+}
+
+/// `err`, of the same class, with a message that starts with the attribute it concerns.
+fn named(name: &Bound<'_, PyString>, err: &PyErr) -> PyErr {
+    let py = name.py();
+    let message = format!("request.{name}: {}", err.value(py));
+    match err.get_type(py).call1((message,)) {
+        Ok(value) => PyErr::from_value(value),
+        Err(_) => err.clone_ref(py),
     }
 }
 
@@ -98,10 +160,7 @@ fn request_id(request: &Bound<'_, PyAny>) -> PyResult<String> {
 }
 
 /// `getattr(request, name, False)`, by truthiness.
-fn request_flag(
-    request: &Bound<'_, PyAny>,
-    name: &Bound<'_, pyo3::types::PyString>,
-) -> PyResult<bool> {
+fn request_flag(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<bool> {
     request
         .getattr_opt(name)?
         .map_or(Ok(false), |v| v.is_truthy())
@@ -119,7 +178,7 @@ pub struct PyKVCacheBlocks {
 }
 
 impl PyKVCacheBlocks {
-    /// Whether block `id` is cached, read from the manager's pool.
+    /// Whether each block is cached, read from the manager's pool.
     fn hashed(&self, py: Python<'_>) -> PyResult<Vec<bool>> {
         let Some(manager) = &self.manager else {
             return Ok(Vec::new());
@@ -267,7 +326,7 @@ impl PyKVCacheBlocks {
 )]
 pub struct PyVllmManager {
     /// Each known request's block hashes converted so far.
-    hashes: HashMap<String, Vec<BlockHash>, FxBuildHasher>,
+    hashes: HashMap<String, HashCache, FxBuildHasher>,
     admission_statuses: Vec<i64>,
     /// The result with no blocks, handed out whenever nothing was allocated or hit.
     empty: Py<PyKVCacheBlocks>,
@@ -282,7 +341,6 @@ impl PyVllmManager {
         request: &Bound<'_, PyAny>,
         f: impl FnOnce(
             &mut PyKVCacheManager,
-            &RequestTokens<'_>,
             &RequestView<'_, dyn HashSource + '_>,
         ) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
@@ -292,7 +350,10 @@ impl PyVllmManager {
         // Out of the manager while the base is borrowed; moving a map copies 3 words.
         let mut caches = std::mem::take(&mut this.hashes);
         let cache = caches.entry_ref(id).or_default();
-        cache.truncate(req.block_hashes.num_hashes());
+        if let Err(err) = cache.sync(&req.block_hashes) {
+            this.hashes = caches;
+            return Err(err);
+        }
         let hashes = CachedHashes {
             source: req.block_hashes,
             cache: RefCell::new(cache),
@@ -308,7 +369,7 @@ impl PyVllmManager {
         };
         let result = hashes
             .source
-            .finish(tokens.run(&view, |view| f(base, &tokens, view)));
+            .finish(tokens.run(&view, |view| f(base, view)));
         let result = tokens.finish(result, base.events.as_mut(), base.inner.events(), before);
         this.hashes = caches;
         result
@@ -362,9 +423,9 @@ impl PyVllmManager {
         signature = (
             num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE,
             log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
-            admission_statuses=Vec::new()
+            admission_statuses
         ),
-        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses=...)"
+        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses)"
     )]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
@@ -441,7 +502,7 @@ impl PyVllmManager {
             && request
                 .getattr_opt(intern!(py, "kv_cache_report_mode"))?
                 .is_some_and(|mode| mode.eq("full").unwrap_or(false));
-        let (hits, tokens) = Self::with_request(slf, request, |base, _, view| {
+        let (hits, tokens) = Self::with_request(slf, request, |base, view| {
             let (hits, tokens) = base.inner.get_computed_blocks_with(view, lookup)?;
             if full_report {
                 base.inner.record_cached_block_events(view, hits.len())?;
@@ -493,7 +554,7 @@ impl PyVllmManager {
         // The status matters only under a watermark: read it only then.
         let watermarked = slf.try_borrow()?.as_super().inner.watermark_blocks() > 0;
         let admitting = if has_scheduled_reqs.0 && watermarked {
-            let status: i64 = request.getattr(intern!(slf.py(), "status"))?.extract()?;
+            let status = request_attr(request, intern!(slf.py(), "status"))?;
             slf.try_borrow()?.admission_statuses.contains(&status)
         } else {
             false
@@ -510,7 +571,7 @@ impl PyVllmManager {
             has_scheduled_reqs: has_scheduled_reqs.0,
             admitting,
         };
-        let allocated = Self::with_request(slf, request, |base, _, view| {
+        let allocated = Self::with_request(slf, request, |base, view| {
             base.inner.allocate_slots(view, &slots)
         })?;
         allocated.map(|ids| Self::blocks_of(slf, ids)).transpose()
@@ -533,15 +594,19 @@ impl PyVllmManager {
     ) -> PyResult<Bound<'py, PyList>> {
         let id = request_id(request)?;
         let mut this = slf.try_borrow_mut()?;
-        this.hashes.remove(&id);
+        // The views first: nothing is forgotten unless they could all be made.
         let base = this.as_super();
-        let ids = base.inner.pop_blocks_for_free(&id);
         let pool = base.inner.block_pool();
-        let views = ids
+        let views = base
+            .inner
+            .get_block_ids(&id)
             .iter()
             .map(|&b| pool.block(i64::from(b)).map(PyKVCacheBlock::from).py())
             .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(slf.py(), views)
+        let views = PyList::new(slf.py(), views)?;
+        base.inner.pop_blocks_for_free(&id);
+        this.hashes.remove(&id);
+        Ok(views)
     }
 
     /// Caches the request's full blocks within ``num_computed_tokens`` tokens.
@@ -550,7 +615,7 @@ impl PyVllmManager {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        Self::with_request(slf, request, |base, _, view| {
+        Self::with_request(slf, request, |base, view| {
             base.inner.cache_blocks(view, num_computed_tokens)
         })
     }
@@ -610,6 +675,10 @@ impl PyVllmManager {
         num_hits: i64,
     ) -> PyResult<()> {
         let py = slf.py();
+        // vLLM returns at once without stats; nothing about the request is read then.
+        if !slf.try_borrow()?.as_super().inner.log_stats() {
+            return Ok(());
+        }
         let lookup = Lookup {
             max_cache_hit_length: None,
             skip_reading_prefix_cache: request_flag(
@@ -621,10 +690,17 @@ impl PyVllmManager {
             .getattr_opt(intern!(py, "num_preemptions"))?
             .map_or(Ok(0), |n| n.extract::<i64>())?
             > 0;
-        Self::with_request(slf, request, |base, _, view| {
-            base.inner
-                .record_prefix_cache_stats_with(view, num_hits, lookup, preempted)
-        })
+        let view = RequestView {
+            request_id: "",
+            num_tokens: request_attr(request, intern!(py, "num_tokens"))?,
+            num_computed_tokens: 0,
+            block_hashes: &[][..] as &[BlockHash],
+        };
+        slf.try_borrow_mut()?
+            .as_super()
+            .inner
+            .record_prefix_cache_stats_with(&view, num_hits, lookup, preempted)
+            .py()
     }
 
     /// The prefix-cache counters since the last call, then zeroed: ``(reset, requests,
