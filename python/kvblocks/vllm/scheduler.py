@@ -25,7 +25,7 @@ from kvblocks import _native
 from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
 from kvblocks.vllm.manager import KVCacheManager
 
-__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "in_vllm_order", "rollback_mode"]
+__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode"]
 
 # vLLM's own scheduler logger: the rollback's lines are vLLM's, word for word.
 logger = logging.getLogger(scheduler_module.__name__)
@@ -46,13 +46,6 @@ def rollback_mode() -> str:
             "unset it for vLLM's semantics"
         )
     return mode
-
-
-def in_vllm_order(requests: Iterable[Request], req_ids: set[str]) -> set[str]:
-    """The ids of ``requests`` in ``req_ids`` as the set vLLM builds, one ``add`` per
-    request in iteration order: a set of strings iterates in an order that depends on
-    the order of insertion, and the Scheduler frees and reports requests in it."""
-    return {req.request_id for req in requests if req.request_id in req_ids}
 
 
 class _KVBlocksScheduling:
@@ -121,20 +114,20 @@ class _KVBlocksScheduling:
             policy="recompute" if recompute else "fail",
             mode=self._rollback_mode,
         )
+        # The outcome's sets are built as vLLM builds its own (the order matters: the
+        # Scheduler frees and reports requests in it).
         if not recompute:
             failed = outcome.failed_req_ids
-            all_failed = in_vllm_order(waiting, failed) | in_vllm_order(self.running, failed)
-            if all_failed:
+            if failed:
                 logger.error(
                     "Failing %d request(s) due to KV load failure "
                     "(failure_policy=fail, %d tokens affected). Request IDs: %s",
-                    len(all_failed),
+                    len(failed),
                     outcome.total_affected_tokens,
-                    all_failed,
+                    failed,
                 )
-            return all_failed
-        retry = in_vllm_order(waiting, outcome.retry_req_ids)
-        rescheduled = in_vllm_order(self.running, outcome.rescheduled_req_ids)
+            return failed
+        retry, rescheduled = outcome.retry_req_ids, outcome.rescheduled_req_ids
         if retry or rescheduled:
             logger.warning(
                 "Recovered from KV load failure: %d request(s) rescheduled (%d tokens affected).",

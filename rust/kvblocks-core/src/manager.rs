@@ -419,21 +419,11 @@ impl KVCacheManager {
         let counts = self.slot_counts(request, args)?;
         let hits = self.check_hits(args.new_computed_blocks)?;
         let id = request.request_id;
-        let adopts = self.check_adoption(id, &hits, counts.num_external)?;
         let state = self.requests.get(id);
+        let adopts = self.check_adoption(id, state, &hits, counts.num_external)?;
         let held = state.map_or(0, |s| s.blocks.len());
         let required = counts.required;
-        let table_after_adopt = if adopts { hits.len() } else { held };
-        let evictable = hits
-            .iter()
-            .filter(|&&b| self.pool.ref_cnt_of(b) == 0)
-            .count();
-        // vLLM's get_num_blocks_to_allocate: touching a free hit takes it from the pool.
-        let to_allocate = |blocks: usize| {
-            blocks
-                .saturating_sub(table_after_adopt)
-                .saturating_add(evictable)
-        };
+        let to_allocate = self.blocks_to_take(held, &hits);
         let watermark = if args.has_scheduled_reqs && args.admitting {
             self.watermark_blocks
         } else {
@@ -456,7 +446,8 @@ impl KVCacheManager {
         }
 
         // Everything the caching step needs is fetched and checked before mutating.
-        let table_len = table_after_adopt.max(required);
+        // An adopting request holds nothing yet, another adopts no hits.
+        let table_len = (held + hits.len()).max(required);
         let cache_plan = if self.pool.enable_caching() && !args.delay_cache_blocks {
             let num_cached = if adopts {
                 hits.len()
@@ -650,20 +641,11 @@ impl KVCacheManager {
         let num_tokens = non_negative("num_tokens", num_tokens)?;
         let hits = self.check_hits(new_computed_blocks)?;
         let state = self.requests.get(request_id);
+        self.check_adoption(request_id, state, &hits, 0)?;
         let held = state.map_or(0, |s| s.blocks.len());
-        if state.is_some_and(|s| s.num_cached.is_some()) && !hits.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "request {request_id} already holds blocks, so it cannot adopt computed tokens"
-            )));
-        }
-        let evictable = hits
-            .iter()
-            .filter(|&&b| self.pool.ref_cnt_of(b) == 0)
-            .count();
-        Ok(num_tokens
-            .div_ceil(self.block_size)
-            .saturating_sub(held + hits.len())
-            .saturating_add(evictable))
+        Ok(self.blocks_to_take(held, &hits)(
+            num_tokens.div_ceil(self.block_size),
+        ))
     }
 
     /// The request's block table (empty for an unknown request).
@@ -712,8 +694,9 @@ impl KVCacheManager {
     }
 
     /// [`KVCacheManager::record_prefix_cache_stats`] as vLLM's scheduler records:
-    /// nothing for a request whose lookup was skipped (`lookup`), and a request
-    /// that was `preempted` before into the `preempted_*` counters.
+    /// nothing for a request whose lookup was skipped (caching off, or the request's
+    /// `skip_reading_prefix_cache`), and a request that was `preempted` before into the
+    /// `preempted_*` counters.
     ///
     /// # Errors
     /// As [`KVCacheManager::record_prefix_cache_stats`].
@@ -721,10 +704,10 @@ impl KVCacheManager {
         &mut self,
         request: &RequestView<'_, H>,
         num_hits: i64,
-        lookup: Lookup,
+        skip_reading_prefix_cache: bool,
         preempted: bool,
     ) -> Result<()> {
-        let skipped = !self.pool.enable_caching() || lookup.skip_reading_prefix_cache;
+        let skipped = !self.pool.enable_caching() || skip_reading_prefix_cache;
         self.record_lookup(request, num_hits, skipped, preempted)
     }
 
@@ -847,8 +830,13 @@ impl KVCacheManager {
     /// for a request without a cached-block entry), refusing the cases vLLM asserts
     /// against: hits for a request that holds blocks or with caching off, and external
     /// tokens for a request that holds blocks but has no cached-block entry.
-    fn check_adoption(&self, id: &str, hits: &[u32], num_external: usize) -> Result<bool> {
-        let state = self.requests.get(id);
+    fn check_adoption(
+        &self,
+        id: &str,
+        state: Option<&RequestBlocks>,
+        hits: &[u32],
+        num_external: usize,
+    ) -> Result<bool> {
         let held = state.map_or(0, |s| s.blocks.len());
         let known = state.is_some_and(|s| s.num_cached.is_some());
         if !hits.is_empty() && !self.pool.enable_caching() {
@@ -863,6 +851,19 @@ impl KVCacheManager {
             )));
         }
         Ok(adopts)
+    }
+
+    /// vLLM's `get_num_blocks_to_allocate` for one full-attention group: how many
+    /// blocks giving a request that holds `held` blocks, with prefix hits `hits`
+    /// (checked by [`Self::check_adoption`]), a table of `blocks` blocks takes from the
+    /// pool. Touching a hit that is free takes it out of the free queue too.
+    fn blocks_to_take(&self, held: usize, hits: &[u32]) -> impl Fn(usize) -> usize {
+        let evictable = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_cnt_of(b) == 0)
+            .count();
+        let table = held + hits.len();
+        move |blocks| blocks.saturating_sub(table).saturating_add(evictable)
     }
 
     /// Range-checks the computed blocks and rejects the null block.

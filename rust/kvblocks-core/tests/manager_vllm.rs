@@ -301,15 +301,12 @@ fn preempted_lookups_are_counted_apart_and_skipped_ones_not_at_all() {
     let mut mgr = manager(10);
     let s = source(20);
     let r = view("r", 0, &s);
-    mgr.record_prefix_cache_stats_with(&r, 8, Lookup::default(), false)
+    mgr.record_prefix_cache_stats_with(&r, 8, false, false)
         .unwrap();
-    mgr.record_prefix_cache_stats_with(&r, 4, Lookup::default(), true)
+    mgr.record_prefix_cache_stats_with(&r, 4, false, true)
         .unwrap();
-    let skipped = Lookup {
-        skip_reading_prefix_cache: true,
-        ..Lookup::default()
-    };
-    mgr.record_prefix_cache_stats_with(&r, 4, skipped, false)
+    // A lookup that was skipped (skip_reading_prefix_cache) is not counted.
+    mgr.record_prefix_cache_stats_with(&r, 4, true, false)
         .unwrap();
     assert_eq!(
         mgr.make_prefix_cache_stats(),
@@ -325,11 +322,11 @@ fn preempted_lookups_are_counted_apart_and_skipped_ones_not_at_all() {
     );
     // Validation still runs for a skipped lookup.
     assert!(mgr
-        .record_prefix_cache_stats_with(&r, 21, skipped, false)
+        .record_prefix_cache_stats_with(&r, 21, true, false)
         .is_err());
     // With caching off vLLM records nothing; the plain call keeps kvblocks' rule.
     let mut off = KVCacheManager::new(10, BS, false, None, true).unwrap();
-    off.record_prefix_cache_stats_with(&r, 0, Lookup::default(), false)
+    off.record_prefix_cache_stats_with(&r, 0, false, false)
         .unwrap();
     assert_eq!(
         off.make_prefix_cache_stats(),

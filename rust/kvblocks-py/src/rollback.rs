@@ -154,14 +154,44 @@ impl From<Rollback> for PyRollbackResult {
 ///     evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
 ///     total_affected_tokens: Tokens rolled back (or lost with the failed requests).
 #[pyclass(module = "kvblocks._native", name = "InvalidBlocksOutcome", frozen, eq)]
-#[derive(PartialEq, Eq)]
 pub struct PyInvalidBlocksOutcome {
-    failed_req_ids: HashSet<String>,
-    rescheduled_req_ids: HashSet<String>,
-    retry_req_ids: HashSet<String>,
-    evicted_block_ids: HashSet<i64>,
+    // Each set's members in the order vLLM adds them to its own: a set of strings
+    // iterates in an order that depends on it, and vLLM's scheduler frees and reports
+    // requests in that order. `failed_req_ids` is vLLM's `async | sync`.
+    failed_waiting: Vec<String>,
+    failed_running: Vec<String>,
+    rescheduled_req_ids: Vec<String>,
+    retry_req_ids: Vec<String>,
+    evicted_block_ids: Vec<i64>,
     #[pyo3(get)]
     total_affected_tokens: u128,
+}
+
+/// The outcomes are equal as the reference's dataclasses are: set by set.
+impl PartialEq for PyInvalidBlocksOutcome {
+    fn eq(&self, other: &Self) -> bool {
+        fn set<T: std::hash::Hash + Eq + Clone>(items: &[T]) -> HashSet<T> {
+            items.iter().cloned().collect()
+        }
+        let failed = |o: &Self| set(&[o.failed_waiting.clone(), o.failed_running.clone()].concat());
+        failed(self) == failed(other)
+            && set(&self.rescheduled_req_ids) == set(&other.rescheduled_req_ids)
+            && set(&self.retry_req_ids) == set(&other.retry_req_ids)
+            && set(&self.evicted_block_ids) == set(&other.evicted_block_ids)
+            && self.total_affected_tokens == other.total_affected_tokens
+    }
+}
+
+/// A new Python set of `items`, added in this order.
+fn ordered_set<'py, T: IntoPyObject<'py> + Copy>(
+    py: Python<'py>,
+    items: impl IntoIterator<Item = T>,
+) -> PyResult<Bound<'py, PySet>> {
+    let set = PySet::empty(py)?;
+    for item in items {
+        set.add(item)?;
+    }
+    Ok(set)
 }
 
 #[pymethods]
@@ -176,46 +206,47 @@ impl PyInvalidBlocksOutcome {
         total_affected_tokens: u128,
     ) -> Self {
         Self {
-            failed_req_ids,
-            rescheduled_req_ids,
-            retry_req_ids,
-            evicted_block_ids,
+            failed_waiting: failed_req_ids.into_iter().collect(),
+            failed_running: Vec::new(),
+            rescheduled_req_ids: rescheduled_req_ids.into_iter().collect(),
+            retry_req_ids: retry_req_ids.into_iter().collect(),
+            evicted_block_ids: evicted_block_ids.into_iter().collect(),
             total_affected_tokens,
         }
     }
 
-    // Sets are handed out as new Python sets: the outcome itself stays immutable.
+    // Sets are handed out as new Python sets, built as vLLM builds its own: the outcome
+    // itself stays immutable.
     #[getter]
-    fn failed_req_ids(&self) -> HashSet<String> {
-        self.failed_req_ids.clone()
+    fn failed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let waiting = ordered_set(py, self.failed_waiting.iter().map(String::as_str))?;
+        let running = ordered_set(py, self.failed_running.iter().map(String::as_str))?;
+        waiting.bitor(running)
     }
 
     #[getter]
-    fn rescheduled_req_ids(&self) -> HashSet<String> {
-        self.rescheduled_req_ids.clone()
+    fn rescheduled_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySet>> {
+        ordered_set(py, self.rescheduled_req_ids.iter().map(String::as_str))
     }
 
     #[getter]
-    fn retry_req_ids(&self) -> HashSet<String> {
-        self.retry_req_ids.clone()
+    fn retry_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySet>> {
+        ordered_set(py, self.retry_req_ids.iter().map(String::as_str))
     }
 
     #[getter]
-    fn evicted_block_ids(&self) -> HashSet<i64> {
-        self.evicted_block_ids.clone()
+    fn evicted_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySet>> {
+        ordered_set(py, self.evicted_block_ids.iter().copied())
     }
 
     /// The reference's repr: the sets as Python shows them.
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let ids = |s: &HashSet<String>| -> PyResult<String> {
-            Ok(PySet::new(py, s)?.repr()?.to_string())
-        };
         Ok(format!(
             "InvalidBlocksOutcome(failed_req_ids={}, rescheduled_req_ids={}, retry_req_ids={}, evicted_block_ids={}, total_affected_tokens={})",
-            ids(&self.failed_req_ids)?,
-            ids(&self.rescheduled_req_ids)?,
-            ids(&self.retry_req_ids)?,
-            PySet::new(py, &self.evicted_block_ids)?.repr()?,
+            self.failed_req_ids(py)?.repr()?,
+            self.rescheduled_req_ids(py)?.repr()?,
+            self.retry_req_ids(py)?.repr()?,
+            self.evicted_block_ids(py)?.repr()?,
             self.total_affected_tokens
         ))
     }
@@ -350,21 +381,27 @@ impl<'py> RequestColumns<'py> {
             .map(ToString::to_string)
     }
 
-    /// Writes the decided counts of the affected requests; returns their ids as the
-    /// set vLLM builds, added in iteration order (a set's iteration order depends on
-    /// it, and vLLM's scheduler frees and reports requests in that order).
-    fn apply(&self, py: Python<'py>, result: &Rollback) -> PyResult<Bound<'py, PySet>> {
-        let affected = PySet::empty(py)?;
+    /// Writes the decided counts of the affected requests.
+    fn apply(&self, result: &Rollback) -> PyResult<()> {
         for &i in &result.affected {
-            let (Some(request), Some(value)) =
+            if let (Some(request), Some(value)) =
                 (self.requests.get(i), result.num_computed_tokens.get(i))
-            else {
-                continue;
-            };
-            request.setattr("num_computed_tokens", *value)?;
-            affected.add(&*self.ids[i])?;
+            {
+                request.setattr("num_computed_tokens", *value)?;
+            }
         }
-        Ok(affected)
+        Ok(())
+    }
+
+    /// The ids of the requests at `indices`, as the set vLLM builds: added in this order.
+    fn id_set<'p>(&self, py: Python<'p>, indices: &[usize]) -> PyResult<Bound<'p, PySet>> {
+        ordered_set(
+            py,
+            indices
+                .iter()
+                .filter_map(|&i| self.ids.get(i))
+                .map(|id| &**id),
+        )
     }
 }
 
@@ -417,16 +454,6 @@ fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
 
 fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
     rollback::check_single_group(num_kv_cache_groups(manager)?).py()
-}
-
-/// The Python set vLLM builds from `ids` (added in this order): its iteration order,
-/// which vLLM evicts in, depends on the order of insertion.
-fn vllm_set<'py>(py: Python<'py>, ids: &[i64]) -> PyResult<Bound<'py, PySet>> {
-    let set = PySet::empty(py)?;
-    for &id in ids {
-        set.add(id)?;
-    }
-    Ok(set)
 }
 
 /// vLLM's ``Scheduler._update_requests_with_invalid_blocks``.
@@ -487,8 +514,9 @@ pub fn update_requests_with_invalid_blocks<'py>(
             .py()?;
     let sequence = result.eviction_sequence(&ids);
     drop(native);
-    let to_evict = vllm_set(py, &sequence)?;
-    let affected = cols.apply(py, &result)?;
+    let to_evict = ordered_set(py, sequence.iter().copied())?;
+    cols.apply(&result)?;
+    let affected = cols.id_set(py, &result.affected)?;
     Ok((affected, result.total_affected_tokens, to_evict))
 }
 
@@ -592,7 +620,7 @@ pub fn handle_invalid_blocks<'py>(
     // in the order vLLM evicts them (its set's), so the removal events come out alike.
     let evicted = outcome.evicted_block_ids();
     if !evicted.is_empty() {
-        let to_evict = vllm_set(py, &sequence)?;
+        let to_evict = ordered_set(py, sequence.iter().copied())?;
         match kv_cache_manager.cast::<PyKVCacheManager>() {
             Ok(native) => {
                 let order = to_evict
@@ -606,16 +634,14 @@ pub fn handle_invalid_blocks<'py>(
             }
         }
     }
-    waiting.apply(py, &outcome.waiting)?;
-    sync.apply(py, &outcome.running)?;
+    waiting.apply(&outcome.waiting)?;
+    sync.apply(&outcome.running)?;
     Ok(PyInvalidBlocksOutcome {
-        failed_req_ids: waiting
-            .ids_of(outcome.failed_waiting())
-            .chain(sync.ids_of(outcome.failed_running()))
-            .collect(),
+        failed_waiting: waiting.ids_of(outcome.failed_waiting()).collect(),
+        failed_running: sync.ids_of(outcome.failed_running()).collect(),
         rescheduled_req_ids: sync.ids_of(outcome.rescheduled_running()).collect(),
         retry_req_ids: waiting.ids_of(outcome.retry_waiting()).collect(),
-        evicted_block_ids: evicted.iter().copied().collect(),
+        evicted_block_ids: sequence,
         total_affected_tokens: outcome.total_affected_tokens(),
     })
 }
@@ -651,10 +677,8 @@ pub fn handle_failed_recving(
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let policy = policy.get()?;
     let py = failed_req_ids.py();
-    let failed = PySet::empty(py)?;
-    for id in failed_req_ids.try_iter()? {
-        failed.add(id?)?;
-    }
+    let reported = failed_req_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    let failed = ordered_set(py, reported.iter())?;
     // Ids are read from every waiting request (to match and to refuse duplicates), token
     // counts only from the matched ones, as the reference reads them.
     let waiting: Vec<Bound<'_, PyAny>> = waiting_for_remote_kvs
@@ -682,29 +706,34 @@ pub fn handle_failed_recving(
         .map(|&i| waiting[i].getattr("num_computed_tokens")?.extract::<i64>())
         .collect::<PyResult<Vec<_>>>()?;
     let lost = rollback::failed_recving_lost_tokens(&computed).py()?;
-    let matched_ids: HashSet<String> = matched
-        .iter()
-        .map(|&i| ids[i].extract::<String>())
-        .collect::<PyResult<_>>()?;
+    // In the order they were reported, as vLLM's `_handle_failed_recving` adds them.
+    let mut matched_ids = Vec::with_capacity(matched.len());
+    let mut kept = HashSet::with_capacity(matched.len());
+    for id in &reported {
+        if seen.contains(id)? {
+            let id: String = id.extract()?;
+            if kept.insert(id.clone()) {
+                matched_ids.push(id);
+            }
+        }
+    }
     let recompute = matches!(policy, Policy::Recompute);
     if recompute {
         for &i in &matched {
             waiting[i].setattr("num_computed_tokens", 0)?;
         }
     }
+    let (failed_waiting, retry_req_ids) = if recompute {
+        (Vec::new(), matched_ids)
+    } else {
+        (matched_ids, Vec::new())
+    };
     Ok(PyInvalidBlocksOutcome {
-        failed_req_ids: if recompute {
-            HashSet::new()
-        } else {
-            matched_ids.clone()
-        },
-        rescheduled_req_ids: HashSet::new(),
-        retry_req_ids: if recompute {
-            matched_ids
-        } else {
-            HashSet::new()
-        },
-        evicted_block_ids: HashSet::new(),
+        failed_waiting,
+        failed_running: Vec::new(),
+        rescheduled_req_ids: Vec::new(),
+        retry_req_ids,
+        evicted_block_ids: Vec::new(),
         total_affected_tokens: lost,
     })
 }

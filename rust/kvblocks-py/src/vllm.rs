@@ -679,13 +679,7 @@ impl PyVllmManager {
         if !slf.try_borrow()?.as_super().inner.log_stats() {
             return Ok(());
         }
-        let lookup = Lookup {
-            max_cache_hit_length: None,
-            skip_reading_prefix_cache: request_flag(
-                request,
-                intern!(py, "skip_reading_prefix_cache"),
-            )?,
-        };
+        let skip_reading = request_flag(request, intern!(py, "skip_reading_prefix_cache"))?;
         let preempted = request
             .getattr_opt(intern!(py, "num_preemptions"))?
             .map_or(Ok(0), |n| n.extract::<i64>())?
@@ -699,7 +693,7 @@ impl PyVllmManager {
         slf.try_borrow_mut()?
             .as_super()
             .inner
-            .record_prefix_cache_stats_with(&view, num_hits, lookup, preempted)
+            .record_prefix_cache_stats_with(&view, num_hits, skip_reading, preempted)
             .py()
     }
 
