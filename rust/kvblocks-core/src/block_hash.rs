@@ -452,3 +452,159 @@ mod tests {
         assert_eq!(h(&[7; 32]).as_bytes(), &[7; 32]);
     }
 }
+
+/// [`HashInterner::check`] against one broken private field at a time: each rule the
+/// checker names must be caught, or a corrupted interner would pass as valid.
+#[cfg(test)]
+pub(crate) mod corruption_tests {
+    use super::*;
+
+    fn h(b: u8) -> BlockHash {
+        BlockHash::new(&[b; 32]).unwrap()
+    }
+
+    /// Drops the index entry of live `slot`, for the prefix map's checker tests.
+    pub(crate) fn unindex(it: &mut HashInterner, slot: u32) {
+        let key = index_key(&it.slots[ix(slot)].hash);
+        it.index
+            .find_entry(table_hash(key), |e| e.slot == slot)
+            .expect("slot is indexed")
+            .remove();
+    }
+
+    /// Files `entry` in the index as a correct insert would (bucket from its key).
+    fn file(it: &mut HashInterner, entry: IndexEntry) {
+        it.index
+            .insert_unique(table_hash(entry.key), entry, |e| table_hash(e.key));
+    }
+
+    /// Live slots 0 (hash 10, two holders) and 1 (hash 11, tagged 7); free slots 2
+    /// and 3, freed in that order. Checked valid before any corruption.
+    fn valid_interner() -> HashInterner {
+        let mut it = HashInterner::new();
+        assert_eq!(it.intern(&h(10)), Some(0));
+        assert_eq!(it.intern(&h(10)), Some(0));
+        assert_eq!(it.intern_tagged(&h(11), 7), Some((1, NO_TAG)));
+        assert_eq!(it.intern_tagged(&h(12), 8), Some((2, NO_TAG)));
+        assert_eq!(it.intern(&h(13)), Some(3));
+        assert!(it.release(2) && it.release(3));
+        assert_eq!(it.free_slots, [2, 3]);
+        it.check().unwrap();
+        it
+    }
+
+    fn assert_caught(it: &HashInterner, fragment: &str) {
+        let err = it.check().expect_err("the corruption went unnoticed");
+        assert!(err.contains(fragment), "{err:?} does not name {fragment:?}");
+    }
+
+    #[test]
+    fn index_entry_for_a_slot_that_does_not_exist() {
+        let mut it = valid_interner();
+        file(&mut it, IndexEntry { slot: 9, key: 1 });
+        assert_caught(&it, "the index holds slot 9 twice or out of range");
+    }
+
+    #[test]
+    fn index_entry_repeated() {
+        let mut it = valid_interner();
+        let key = index_key(&h(11));
+        file(&mut it, IndexEntry { slot: 1, key });
+        assert_caught(&it, "the index holds slot 1 twice or out of range");
+    }
+
+    /// A live slot's holder count dropped to zero while it is still indexed.
+    #[test]
+    fn indexed_slot_with_count_zero() {
+        let mut it = valid_interner();
+        it.slots[0].count = 0;
+        assert_caught(&it, "free slot 0 is in the index");
+    }
+
+    #[test]
+    fn index_entry_filed_under_the_wrong_key() {
+        let mut it = valid_interner();
+        for entry in it.index.iter_mut().filter(|e| e.slot == 1) {
+            entry.key ^= 1;
+        }
+        assert_caught(&it, "slot 1 is filed under the wrong key");
+    }
+
+    /// A slot's hash bytes overwritten: its entry no longer matches its hash.
+    #[test]
+    fn slot_hash_changed_under_its_index_entry() {
+        let mut it = valid_interner();
+        it.slots[1].hash = h(99);
+        assert_caught(&it, "slot 1 is filed under the wrong key");
+    }
+
+    /// Slot 1 holds slot 0's hash and is filed under that hash's key, as if the same
+    /// hash had been interned twice: only the lookup tells them apart.
+    #[test]
+    fn two_live_slots_hold_the_same_hash() {
+        let mut it = valid_interner();
+        unindex(&mut it, 1);
+        it.slots[1].hash = h(10);
+        file(
+            &mut it,
+            IndexEntry {
+                slot: 1,
+                key: index_key(&h(10)),
+            },
+        );
+        assert_caught(&it, "or its hash is held twice");
+    }
+
+    #[test]
+    fn live_slot_missing_from_the_index() {
+        let mut it = valid_interner();
+        unindex(&mut it, 1);
+        assert_caught(&it, "2 slots are live but the index holds 1");
+    }
+
+    /// A free slot with a holder count is live by the count, but unindexed.
+    #[test]
+    fn free_slot_with_a_count() {
+        let mut it = valid_interner();
+        it.slots[3].count = 1;
+        assert_caught(&it, "3 slots are live but the index holds 2");
+    }
+
+    #[test]
+    fn free_slot_not_listed_free() {
+        let mut it = valid_interner();
+        it.free_slots.pop();
+        assert_caught(&it, "1 free and 2 live slots, but 4 slots exist");
+    }
+
+    #[test]
+    fn free_list_names_a_live_slot() {
+        let mut it = valid_interner();
+        it.free_slots[1] = 0;
+        assert_caught(&it, "slot 0 is listed free but is live");
+    }
+
+    #[test]
+    fn free_slot_keeps_a_tag() {
+        let mut it = valid_interner();
+        it.slots[2].tag = 8;
+        assert_caught(&it, "slot 2 is listed free but is live, tagged");
+    }
+
+    #[test]
+    fn free_list_names_an_unknown_slot() {
+        let mut it = valid_interner();
+        it.free_slots[1] = 9;
+        assert_caught(&it, "slot 9 is listed free but is live, tagged, unknown");
+    }
+
+    #[test]
+    fn free_list_names_a_slot_twice() {
+        let mut it = valid_interner();
+        it.free_slots[1] = 2;
+        assert_caught(
+            &it,
+            "slot 2 is listed free but is live, tagged, unknown or listed twice",
+        );
+    }
+}

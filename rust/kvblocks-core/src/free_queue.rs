@@ -214,10 +214,9 @@ impl FreeQueue {
                     self.links[ix(cursor)].prev
                 ));
             }
+            // No cycle check is needed: a cycle revisits a block whose `prev` still names
+            // its first predecessor, which the check above refuses, so the walk ends.
             walked += 1;
-            if walked > ix(self.head) {
-                return Err("the list has a cycle".to_owned());
-            }
             before = cursor;
             cursor = self.links[ix(cursor)].next;
         }
@@ -363,5 +362,126 @@ mod tests {
         let q = FreeQueue::new(0).unwrap();
         assert!(q.is_empty());
         q.check().unwrap();
+    }
+}
+
+/// [`FreeQueue::check`] against one broken private field at a time: each rule the
+/// checker names must be caught, or a corrupted queue would pass as valid.
+#[cfg(test)]
+pub(crate) mod corruption_tests {
+    use super::*;
+
+    /// Makes `q` claim one more block than it links, for the pool's checker tests.
+    pub(crate) fn overstate_len(q: &mut FreeQueue) {
+        q.len += 1;
+    }
+
+    /// Blocks 1, 2, 3 queued in a queue of 8; checked valid before any corruption.
+    fn valid_queue() -> FreeQueue {
+        let mut q = FreeQueue::new(8).unwrap();
+        for id in [1, 2, 3] {
+            assert!(q.push_back(id));
+        }
+        q.check().unwrap();
+        q
+    }
+
+    fn assert_caught(q: &FreeQueue, fragment: &str) {
+        let err = q.check().expect_err("the corruption went unnoticed");
+        assert!(err.contains(fragment), "{err:?} does not name {fragment:?}");
+    }
+
+    #[test]
+    fn head_sentinel_with_a_prev_link() {
+        let mut q = valid_queue();
+        let head = ix(q.head);
+        q.links[head].prev = 2;
+        assert_caught(&q, "a sentinel has an outer link");
+    }
+
+    #[test]
+    fn tail_sentinel_with_a_next_link() {
+        let mut q = valid_queue();
+        let tail = ix(q.tail);
+        q.links[tail].next = 2;
+        assert_caught(&q, "a sentinel has an outer link");
+    }
+
+    #[test]
+    fn next_link_to_a_slot_that_is_no_block() {
+        let mut q = valid_queue();
+        q.links[2].next = NOT_IN_QUEUE;
+        assert_caught(
+            &q,
+            &format!("link from 2 points at invalid slot {NOT_IN_QUEUE}"),
+        );
+    }
+
+    #[test]
+    fn next_link_back_to_the_head_sentinel() {
+        let mut q = valid_queue();
+        q.links[2].next = q.head;
+        assert_caught(&q, "link from 2 points at invalid slot 8");
+    }
+
+    #[test]
+    fn prev_link_not_mirroring_next() {
+        let mut q = valid_queue();
+        q.links[3].prev = 1;
+        assert_caught(&q, "block 3 has prev 1 but follows 2");
+    }
+
+    /// A cycle always revisits a block whose `prev` names its first predecessor, so
+    /// the back-link rule catches it before the walk could count past the capacity.
+    #[test]
+    fn cycle_in_next_links_is_caught_as_a_broken_back_link() {
+        let mut q = valid_queue();
+        q.links[3].next = 1;
+        assert_caught(&q, "block 1 has prev 8 but follows 3");
+        let mut q = valid_queue();
+        q.links[2].next = 2;
+        assert_caught(&q, "block 2 has prev 1 but follows 2");
+    }
+
+    #[test]
+    fn tail_sentinel_prev_not_the_last_block() {
+        let mut q = valid_queue();
+        let tail = ix(q.tail);
+        q.links[tail].prev = 2;
+        assert_caught(&q, "tail sentinel has prev 2 but the last block is 3");
+    }
+
+    #[test]
+    fn len_overstated() {
+        let mut q = valid_queue();
+        overstate_len(&mut q);
+        assert_caught(&q, "the list has 3 blocks but len is 4");
+    }
+
+    #[test]
+    fn len_understated() {
+        let mut q = valid_queue();
+        q.len -= 1;
+        assert_caught(&q, "the list has 3 blocks but len is 2");
+    }
+
+    #[test]
+    fn unqueued_block_with_one_link() {
+        let mut q = valid_queue();
+        q.links[5].prev = 1;
+        assert_caught(&q, "block 5 is half linked");
+    }
+
+    /// Both links set makes `contains` report the block as free, though no walk
+    /// reaches it.
+    #[test]
+    fn unqueued_block_with_both_links() {
+        let mut q = valid_queue();
+        q.links[5] = Link {
+            prev: 3,
+            next: q.tail,
+        };
+        assert!(q.contains(5));
+        assert_caught(&q, "4 blocks carry links but len is 3");
     }
 }

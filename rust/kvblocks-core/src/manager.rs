@@ -971,3 +971,102 @@ impl KVCacheManager {
         }
     }
 }
+
+/// [`KVCacheManager::check_invariants`] against one broken private field at a time:
+/// each rule it names must be caught as [`Error::Invariant`], or a corrupted manager
+/// would pass.
+#[cfg(test)]
+mod corruption_tests {
+    use super::*;
+    use crate::pool::corruption_tests::set_ref_cnt;
+
+    /// 8 blocks of 4 tokens. Request `a` (8 tokens, 2 hashes) holds blocks 1 and 2,
+    /// both cached; request `b` (4 tokens, no hash) holds block 3 and has no cached
+    /// count.
+    /// Checked valid before any corruption.
+    fn valid_manager() -> KVCacheManager {
+        let mut mgr = KVCacheManager::new(8, 4, true, None, false).unwrap();
+        let hashes = [
+            BlockHash::new(&[1; 32]).unwrap(),
+            BlockHash::new(&[2; 32]).unwrap(),
+        ];
+        for (id, num_tokens, hashes, want) in [
+            ("a", 8, &hashes[..], vec![1, 2]),
+            ("b", 4, &[][..], vec![3]),
+        ] {
+            let request = RequestView {
+                request_id: id,
+                num_tokens,
+                num_computed_tokens: 0,
+                block_hashes: hashes,
+            };
+            let args = SlotRequest {
+                num_new_tokens: num_tokens,
+                ..SlotRequest::default()
+            };
+            assert_eq!(mgr.allocate_slots(&request, &args).unwrap(), Some(want));
+        }
+        assert_eq!(mgr.requests["a"].num_cached, Some(2));
+        assert_eq!(mgr.requests["b"].num_cached, None);
+        mgr.check_invariants().unwrap();
+        mgr
+    }
+
+    fn table<'a>(mgr: &'a mut KVCacheManager, id: &str) -> &'a mut RequestBlocks {
+        mgr.requests.get_mut(id).expect("known request")
+    }
+
+    fn assert_caught(mgr: &KVCacheManager, fragment: &str) {
+        match mgr.check_invariants() {
+            Err(Error::Invariant(msg)) => {
+                assert!(msg.contains(fragment), "{msg:?} does not name {fragment:?}");
+            }
+            other => panic!("expected an invariant error naming {fragment:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn pool_broken() {
+        let mut mgr = valid_manager();
+        set_ref_cnt(&mut mgr.pool, 5, 1);
+        assert_caught(&mgr, "block 5 has ref count 1 but is in the free queue");
+    }
+
+    #[test]
+    fn cached_count_past_the_table() {
+        let mut mgr = valid_manager();
+        table(&mut mgr, "a").num_cached = Some(3);
+        assert_caught(&mgr, "request a has more cached blocks than table entries");
+    }
+
+    #[test]
+    fn table_holds_the_null_block() {
+        let mut mgr = valid_manager();
+        table(&mut mgr, "b").blocks.push(NULL_BLOCK_ID);
+        assert_caught(&mgr, "request b holds the null block");
+    }
+
+    #[test]
+    fn table_holds_a_block_past_the_pool() {
+        let mut mgr = valid_manager();
+        table(&mut mgr, "b").blocks.push(99);
+        assert_caught(&mgr, "request b holds unknown block 99");
+    }
+
+    /// Block 1 named by both tables but referenced once.
+    #[test]
+    fn table_entry_without_a_reference() {
+        let mut mgr = valid_manager();
+        table(&mut mgr, "b").blocks.push(1);
+        assert_caught(&mgr, "block 1 is in 2 block tables but has ref count 1");
+    }
+
+    /// The pool alone stays consistent; only the table still counts the reference.
+    #[test]
+    fn block_freed_behind_the_managers_back() {
+        let mut mgr = valid_manager();
+        mgr.block_pool_mut().free_blocks(&[3]).unwrap();
+        mgr.pool.check_invariants().unwrap();
+        assert_caught(&mgr, "block 3 is in 1 block tables but has ref count 0");
+    }
+}

@@ -374,7 +374,7 @@ impl BlockPool {
     }
 
     /// Heap bytes held by the pool. With every block cached under a distinct hash this
-    /// stays below 100 bytes per block (see `tests/pool_golden.rs`).
+    /// stays below 100 bytes per block (measured by a counting allocator in `tests/memory.rs`).
     pub fn heap_bytes(&self) -> usize {
         (self.ref_cnt.capacity() + self.scratch.capacity()) * std::mem::size_of::<u32>()
             + self.free_queue.heap_bytes()
@@ -561,5 +561,110 @@ impl BlockPool {
 
     fn check_ids(&self, ids: &[i64]) -> Result<()> {
         ids.iter().try_for_each(|&id| self.check_id(id).map(drop))
+    }
+}
+
+/// [`BlockPool::check_invariants`] against one broken private field at a time: each
+/// rule it names must be caught as [`Error::Invariant`], or a corrupted pool would pass.
+#[cfg(test)]
+pub(crate) mod corruption_tests {
+    use super::*;
+    use crate::free_queue::corruption_tests::overstate_len;
+    use crate::prefix_map::corruption_tests::overstate_num_cached;
+
+    /// Overwrites block `id`'s ref count, for the manager's checker tests.
+    pub(crate) fn set_ref_cnt(pool: &mut BlockPool, id: u32, rc: u32) {
+        pool.ref_cnt[ix(id)] = rc;
+    }
+
+    fn h(b: u8) -> BlockHash {
+        BlockHash::new(&[b; 32]).unwrap()
+    }
+
+    /// 8 blocks: 1 and 3 in use, 1 and 2 cached, 2 freed (queued at the tail, still
+    /// cached), 4 to 7 never used. Checked valid before any corruption.
+    fn valid_pool() -> BlockPool {
+        let mut pool = BlockPool::new(8, true).unwrap();
+        assert_eq!(pool.get_new_blocks(3).unwrap(), [1, 2, 3]);
+        pool.cache_full_blocks(&[1, 2, 3], &[h(1), h(2)], 0, 2, 0)
+            .unwrap();
+        pool.free_blocks(&[2]).unwrap();
+        assert_eq!(pool.free_block_ids(), [4, 5, 6, 7, 2]);
+        pool.check_invariants().unwrap();
+        pool
+    }
+
+    fn assert_caught(pool: &BlockPool, fragment: &str) {
+        match pool.check_invariants() {
+            Err(Error::Invariant(msg)) => {
+                assert!(msg.contains(fragment), "{msg:?} does not name {fragment:?}");
+            }
+            other => panic!("expected an invariant error naming {fragment:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn null_block_with_a_ref_count() {
+        let mut pool = valid_pool();
+        set_ref_cnt(&mut pool, NULL_BLOCK_ID, 1);
+        assert_caught(&pool, "null block has ref count 1");
+    }
+
+    #[test]
+    fn null_block_in_the_free_queue() {
+        let mut pool = valid_pool();
+        assert!(pool.free_queue.push_front(NULL_BLOCK_ID));
+        assert_caught(&pool, "null block is in the free queue");
+    }
+
+    #[test]
+    fn null_block_cached() {
+        let mut pool = valid_pool();
+        assert!(pool.prefix.insert(NULL_BLOCK_ID, &h(9), 0));
+        assert_caught(&pool, "null block has a hash");
+    }
+
+    #[test]
+    fn free_queue_broken() {
+        let mut pool = valid_pool();
+        overstate_len(&mut pool.free_queue);
+        assert_caught(&pool, "free queue: the list has 5 blocks but len is 6");
+    }
+
+    #[test]
+    fn queued_block_with_a_ref_count() {
+        let mut pool = valid_pool();
+        set_ref_cnt(&mut pool, 4, 1);
+        assert_caught(&pool, "block 4 has ref count 1 but is in the free queue");
+    }
+
+    #[test]
+    fn block_in_use_dropped_to_ref_count_zero() {
+        let mut pool = valid_pool();
+        set_ref_cnt(&mut pool, 1, 0);
+        assert_caught(
+            &pool,
+            "block 1 has ref count 0 but is not in the free queue",
+        );
+    }
+
+    #[test]
+    fn free_block_missing_from_the_free_queue() {
+        let mut pool = valid_pool();
+        assert!(pool.free_queue.remove(2));
+        assert_caught(
+            &pool,
+            "block 2 has ref count 0 but is not in the free queue",
+        );
+    }
+
+    #[test]
+    fn prefix_cache_broken() {
+        let mut pool = valid_pool();
+        overstate_num_cached(&mut pool.prefix);
+        assert_caught(
+            &pool,
+            "prefix cache: 2 blocks are cached but the count says 3",
+        );
     }
 }

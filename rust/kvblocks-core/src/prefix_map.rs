@@ -22,7 +22,8 @@
 //! Invariants (checked by [`PrefixMap::check`]):
 //! * a block is cached iff its slot is not [`NO_BLOCK`]; uncached blocks have no links;
 //! * every cached block is in the list of its own key exactly once, and every list
-//!   holds only blocks of its key, in insertion order;
+//!   holds only blocks of its key (kept in insertion order, which the check cannot see:
+//!   nothing records when a block was inserted; the golden traces verify the order);
 //! * the interner's count of a slot equals the number of cached blocks using it.
 
 use std::collections::hash_map::Entry as MapEntry;
@@ -392,5 +393,178 @@ mod tests {
         m.check().unwrap();
         assert!(!m.insert(4, &h(1), 0));
         assert_eq!(m.remove(99), None);
+    }
+}
+
+/// [`PrefixMap::check`] against one broken private field at a time: each rule the
+/// checker names must be caught, or a corrupted map would pass as valid.
+#[cfg(test)]
+pub(crate) mod corruption_tests {
+    use super::*;
+    use crate::block_hash::corruption_tests::unindex;
+
+    /// Makes `m` count one more cached block than it holds, for the pool's tests.
+    pub(crate) fn overstate_num_cached(m: &mut PrefixMap) {
+        m.num_cached += 1;
+    }
+
+    fn h(b: u8) -> BlockHash {
+        BlockHash::new(&[b; 32]).unwrap()
+    }
+
+    /// Blocks 1, 3, 4 under (hash 0, group 0) in that order, block 2 under (hash 1,
+    /// group 0), block 5 under (hash 1, group 1); blocks 0, 6, 7 uncached. Hash 0 is
+    /// slot 0, hash 1 slot 1, and slot 2 is free (block 6 was cached and evicted).
+    /// Checked valid before any corruption.
+    fn valid_map() -> PrefixMap {
+        let mut m = PrefixMap::new(8).unwrap();
+        for (block, hash, group) in [(1, 0, 0), (2, 1, 0), (3, 0, 0), (4, 0, 0), (5, 1, 1)] {
+            assert!(m.insert(block, &h(hash), group));
+        }
+        assert!(m.insert(6, &h(9), 0));
+        assert_eq!(m.remove(6), Some((h(9), 0)));
+        assert_eq!(
+            (0..3).map(|b| m.interner.lookup(&h(b))).collect::<Vec<_>>(),
+            [Some(0), Some(1), None]
+        );
+        assert_eq!(m.interner.slot_limit(), 3);
+        m.check().unwrap();
+        m
+    }
+
+    fn assert_caught(m: &PrefixMap, fragment: &str) {
+        let err = m.check().expect_err("the corruption went unnoticed");
+        assert!(err.contains(fragment), "{err:?} does not name {fragment:?}");
+    }
+
+    #[test]
+    fn interner_broken() {
+        let mut m = valid_map();
+        unindex(&mut m.interner, 1);
+        assert_caught(&m, "hash interner: 2 slots are live but the index holds 1");
+    }
+
+    #[test]
+    fn uncached_block_with_a_next_link() {
+        let mut m = valid_map();
+        m.entries[7].next = 1;
+        assert_caught(&m, "uncached block 7 has duplicate links");
+    }
+
+    #[test]
+    fn uncached_block_with_a_prev_link() {
+        let mut m = valid_map();
+        m.entries[0].prev = 4;
+        assert_caught(&m, "uncached block 0 has duplicate links");
+    }
+
+    #[test]
+    fn cached_block_on_a_free_hash_slot() {
+        let mut m = valid_map();
+        m.entries[2].slot = 2;
+        assert_caught(&m, "block 2 refers to free hash slot 2");
+    }
+
+    #[test]
+    fn cached_block_on_an_unknown_hash_slot() {
+        let mut m = valid_map();
+        m.entries[2].slot = 7;
+        assert_caught(&m, "block 2 refers to free hash slot 7");
+    }
+
+    #[test]
+    fn cached_count_overstated() {
+        let mut m = valid_map();
+        overstate_num_cached(&mut m);
+        assert_caught(&m, "5 blocks are cached but the count says 6");
+    }
+
+    /// The interner stays consistent on its own; only the holder count is off.
+    #[test]
+    fn interner_count_above_the_blocks_using_the_slot() {
+        let mut m = valid_map();
+        assert_eq!(m.interner.intern(&h(0)), Some(0));
+        assert_caught(&m, "hash slot 0 has 3 blocks but an interner count of 4");
+    }
+
+    #[test]
+    fn cached_block_moved_to_another_live_slot() {
+        let mut m = valid_map();
+        m.entries[3].slot = 1;
+        assert_caught(&m, "hash slot 0 has 2 blocks but an interner count of 3");
+    }
+
+    #[test]
+    fn next_link_past_the_blocks() {
+        let mut m = valid_map();
+        m.entries[4].next = 99;
+        assert_caught(&m, "block 99 is listed but out of range");
+    }
+
+    #[test]
+    fn listed_block_holds_another_group() {
+        let mut m = valid_map();
+        m.entries[3].group = 1;
+        assert_caught(&m, "block 3 is listed under a key it does not hold");
+    }
+
+    #[test]
+    fn next_link_into_another_keys_list() {
+        let mut m = valid_map();
+        m.entries[4].next = 2;
+        assert_caught(&m, "block 2 is listed under a key it does not hold");
+    }
+
+    /// The group-0 head lives in the interner's tag: pointing it at an uncached
+    /// block must not pass.
+    #[test]
+    fn key_head_names_an_uncached_block() {
+        let mut m = valid_map();
+        assert!(m.interner.set_tag(1, 7));
+        assert_caught(&m, "block 7 is listed under a key it does not hold");
+    }
+
+    #[test]
+    fn back_link_not_mirroring_next() {
+        let mut m = valid_map();
+        m.entries[4].prev = 1;
+        assert_caught(&m, "block 4 has a broken back link");
+    }
+
+    /// The first block's back link names the last one, so a last block linking
+    /// forward to the first passes every back-link test: only the count stops it.
+    #[test]
+    fn last_block_links_forward_to_the_first() {
+        let mut m = valid_map();
+        m.entries[4].next = 1;
+        assert_caught(&m, "a duplicate list has a cycle");
+    }
+
+    #[test]
+    fn first_block_back_link_not_the_last_block() {
+        let mut m = valid_map();
+        m.entries[1].prev = 3;
+        assert_caught(&m, "first block 1 does not link back to its last block");
+    }
+
+    #[test]
+    fn group_zero_key_lost_its_head() {
+        let mut m = valid_map();
+        assert!(m.interner.set_tag(1, NO_TAG));
+        assert_caught(&m, "4 blocks are listed under keys but 5 are cached");
+    }
+
+    #[test]
+    fn other_group_key_lost_its_head() {
+        let mut m = valid_map();
+        assert_eq!(m.other_heads.remove(&(1, 1)), Some(5));
+        assert_caught(&m, "4 blocks are listed under keys but 5 are cached");
+    }
+
+    #[test]
+    fn list_cut_short_before_its_last_block() {
+        let mut m = valid_map();
+        m.entries[3].next = NO_BLOCK;
+        assert_caught(&m, "first block 1 does not link back to its last block");
     }
 }

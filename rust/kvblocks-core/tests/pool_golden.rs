@@ -397,32 +397,3 @@ fn error_messages_match_the_catalogue() {
     assert!(tiny.usage() == 0.0 && tiny.num_free_blocks() == 0);
     assert!(BlockPool::new(i64::MAX, true).is_err());
 }
-
-/// 1,048,576 blocks, all allocated and cached under distinct hashes (the worst case
-/// for memory): the pool must stay under 100 bytes a block (94 today: 28 per block, a
-/// 48-byte hash slot and the hash index).
-#[test]
-fn a_million_blocks_fit_in_memory_budget() {
-    const N: i64 = 1 << 20;
-    let mut pool = BlockPool::new(N, true).unwrap();
-    let empty = pool.heap_bytes();
-    // Per block when empty: ref count 4 + free-queue links 8 + prefix map 16 bytes.
-    assert!(empty <= 28 * (1 << 20) + 1024, "empty pool: {empty} bytes");
-    let blocks = pool.get_new_blocks(N - 1).unwrap();
-    let table: Vec<i64> = blocks.iter().map(|&b| i64::from(b)).collect();
-    let hashes: Vec<BlockHash> = (0..N)
-        .map(|i| BlockHash::new(&[i.to_le_bytes(), [7; 8], [9; 8], [3; 8]].concat()).unwrap())
-        .collect();
-    pool.cache_full_blocks(&table, &hashes, 0, N - 1, 0)
-        .unwrap();
-    let full = pool.heap_bytes();
-    let per_block = full / (1 << 20);
-    eprintln!("empty: {empty} bytes, full: {full} bytes ({per_block} per block)");
-    assert!(
-        per_block < 100,
-        "{per_block} bytes per block ({full} total)"
-    );
-    assert_eq!(pool.num_cached_keys(), (1 << 20) - 1);
-    pool.free_blocks(&table).unwrap();
-    assert_eq!(pool.num_free_blocks(), (1 << 20) - 1);
-}
