@@ -17,12 +17,12 @@ manager adds the ``BlockStored`` events, which need the request's token ids.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvblocks.errors import BlockStateError, InvariantError, NoFreeBlocksError
 from kvblocks.reference.kv_cache_utils import (
+    MAX_NUM_BLOCKS,
     BlockHashToBlockMap,
     BlockState,
     FreeKVCacheBlockQueue,
@@ -32,8 +32,10 @@ from kvblocks.reference.kv_cache_utils import (
     check_group_id,
     check_non_negative,
     check_positive,
+    materialise,
     to_block_hash,
     to_block_hashes,
+    to_int,
     to_int_list,
 )
 
@@ -84,9 +86,11 @@ class BlockPool:
     )
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, *, block_size: int = 16):
-        num_blocks = operator.index(num_blocks)
-        block_size = operator.index(block_size)
+        num_blocks = to_int(num_blocks)
+        block_size = to_int(block_size)
         check_positive("num_blocks", num_blocks)
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(f"num_blocks must be at most {MAX_NUM_BLOCKS}, got {num_blocks}")
         check_positive("block_size", block_size)
         self._num_blocks = num_blocks
         self._enable_caching = bool(enable_caching)
@@ -139,7 +143,7 @@ class BlockPool:
             ValueError: ``n must be non-negative, got {n}``.
             NoFreeBlocksError: ``Cannot get {n} free blocks from the pool ({free} free)``.
         """
-        n = operator.index(n)
+        n = to_int(n)
         check_non_negative("n", n)
         num_free = self._free_block_queue.num_free_blocks
         if n > num_free:
@@ -263,9 +267,9 @@ class BlockPool:
         # 1. Types, in signature order.
         ids = to_int_list(block_ids)
         hashes = list(block_hashes)
-        num_cached_blocks = operator.index(num_cached_blocks)
-        num_full_blocks = operator.index(num_full_blocks)
-        kv_cache_group_id = operator.index(kv_cache_group_id)
+        num_cached_blocks = to_int(num_cached_blocks)
+        num_full_blocks = to_int(num_full_blocks)
+        kv_cache_group_id = to_int(kv_cache_group_id)
         # 2. Values, in signature order.
         check_block_ids(ids, self._num_blocks)
         check_non_negative("num_cached_blocks", num_cached_blocks)
@@ -351,8 +355,14 @@ class BlockPool:
             TypeError: a hash read is not ``bytes`` or the group id is not an int.
             ValueError: a hash read is longer than 32 bytes or the group id is out of range.
         """
-        kv_cache_group_id = operator.index(kv_cache_group_id)
+        kv_cache_group_id = to_int(kv_cache_group_id)
         check_group_id(kv_cache_group_id)
+        return self._longest_cache_hit(iter(materialise(block_hashes)), kv_cache_group_id)
+
+    def _longest_cache_hit(
+        self, block_hashes: Iterator[object], kv_cache_group_id: int
+    ) -> list[int]:
+        """:meth:`find_longest_cache_hit` over hashes converted lazily, up to the first miss."""
         hits: list[int] = []
         for item in block_hashes:
             block_hash = to_block_hash(item)
@@ -475,7 +485,7 @@ class BlockPool:
             TypeError: ``block_id`` is not an int.
             UnknownBlockError: ``block_id`` is out of range.
         """
-        block_id = operator.index(block_id)
+        block_id = to_int(block_id)
         check_block_ids((block_id,), self._num_blocks)
         return self._blocks[block_id].snapshot()
 

@@ -41,6 +41,8 @@ from typing import Any, Protocol, SupportsIndex, TypeAlias
 import cbor2
 import xxhash as _xxhash
 
+from kvblocks.reference.kv_cache_utils import INT64_MAX, INT64_MIN, to_int
+
 __all__ = [
     "DEFAULT_SEED",
     "HASH_FUNCTIONS",
@@ -76,9 +78,6 @@ DEFAULT_SEED = "vllm-none-hash"
 #: The deepest tuple nesting extra keys may have (a flat tuple is depth 1). vLLM's keys
 #: are two deep; the bound keeps every backend's recursion far from any stack limit.
 MAX_EXTRA_KEYS_DEPTH = 64
-
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
 
 
 def sha256(value: object) -> bytes:
@@ -182,7 +181,8 @@ def resolve_seed(seed: str | None, algo: str) -> str:
     if seed is not None:
         if not isinstance(seed, str):
             raise TypeError(f"seed must be a str or None, got {type(seed).__name__}")
-        return seed
+        # A subclass is read as its contents, as natively.
+        return str.__str__(seed)
     env_seed = os.environ.get("PYTHONHASHSEED")
     if env_seed is not None:
         return env_seed
@@ -206,9 +206,9 @@ def check_token_ids(token_ids: Iterable[SupportsIndex]) -> tuple[int, ...]:
     """
     tokens = []
     # One pass, in order: the first bad id decides the error, in both backends.
-    for token_id in token_ids:
+    for token_id in list(token_ids):
         value = operator.index(token_id)
-        if not _INT64_MIN <= value <= _INT64_MAX:
+        if not INT64_MIN <= value <= INT64_MAX:
             raise ValueError(f"token id {value} does not fit in a signed 64-bit integer")
         tokens.append(value)
     return tuple(tokens)
@@ -394,7 +394,7 @@ class BlockHasher:
             TypeError: When ``block_size`` is not an int or ``seed`` not a str.
             ValueError: When ``block_size <= 0`` or ``algo`` is unknown.
         """
-        block_size = operator.index(block_size)
+        block_size = to_int(block_size)
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         hash_fn = get_hash_fn_by_name(algo)
@@ -527,13 +527,15 @@ class BlockHasher:
         block_size = self._block_size
         known = request.block_hashes
         start = len(known) * block_size
-        num_tokens = request.num_tokens
+        num_tokens = to_int(request.num_tokens)
         if start + block_size > num_tokens:
             return []
         parent = _check_parent(known[-1]) if known else None
         num_blocks = (num_tokens - start) // block_size
-        end = start + num_blocks * block_size
-        tokens = check_token_ids(request.all_token_ids[start:end])
+        tokens = check_token_ids(request.all_token_ids[start : start + num_blocks * block_size])
+        # A request claiming more tokens than it holds hashes the blocks it has: the
+        # walk below covers those, never the claim.
+        end = start + len(tokens) // block_size * block_size
 
         # Past block 0 only the last multimodal item can still overlap (vLLM's -1).
         mm_idx = 0 if start == 0 else -1

@@ -16,7 +16,6 @@ returns ``None`` leaves the manager and its pool exactly as they were.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +30,9 @@ from kvblocks.reference.kv_cache_utils import (
     check_positive,
     to_block_hash,
     to_block_hashes,
+    to_int,
     to_int_list,
+    to_request_id,
 )
 
 if TYPE_CHECKING:
@@ -70,6 +71,54 @@ class RequestLike(Protocol):
     def all_token_ids(self) -> Sequence[int]:
         """Prompt then output token ids (read only with KV cache events on)."""
         ...
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RequestView:
+    """What a manager call reads of a request: each attribute once, in this order.
+
+    ``block_hashes`` is read as a sequence (``len()`` once, then items by index, only
+    those the call needs), as the native backend reads it.
+    """
+
+    request: RequestLike
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    block_hashes: Sequence[object]
+    num_block_hashes: int
+
+    @classmethod
+    def read(cls, request: RequestLike) -> RequestView:
+        """Reads ``request_id``, ``num_tokens``, ``num_computed_tokens``, ``block_hashes``.
+
+        Raises:
+            TypeError: an id that is not a ``str``, a count that is not an int, or
+                ``block_hashes`` that is not a sequence.
+            OverflowError: a count beyond 64 bits.
+        """
+        request_id = to_request_id(request.request_id)
+        num_tokens = to_int(request.num_tokens)
+        num_computed_tokens = to_int(request.num_computed_tokens)
+        block_hashes = request.block_hashes
+        if not isinstance(block_hashes, Sequence):
+            raise TypeError(
+                f"request.block_hashes must be a sequence, got {type(block_hashes).__name__}"
+            )
+        return cls(
+            request, request_id, num_tokens, num_computed_tokens, block_hashes, len(block_hashes)
+        )
+
+    def hashes(self, start: int, stop: int) -> list[bytes]:
+        """Hashes ``start .. stop - 1`` (clipped to the length read), checked as a batch."""
+        stop = min(stop, self.num_block_hashes)
+        return to_block_hashes([self.block_hashes[i] for i in range(start, stop)])
+
+    def hash(self, i: int) -> bytes:
+        """Hash ``i``, checked."""
+        block_hash = to_block_hash(self.block_hashes[i])
+        check_block_hash(block_hash)
+        return block_hash
 
 
 class KVCacheManager:
@@ -127,10 +176,10 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         kv_events_last_copy_removal: bool = False,
     ) -> None:
-        num_blocks = operator.index(num_blocks)
-        block_size = operator.index(block_size)
+        num_blocks = to_int(num_blocks)
+        block_size = to_int(block_size)
         if max_model_len is not None:
-            max_model_len = operator.index(max_model_len)
+            max_model_len = to_int(max_model_len)
         check_positive("num_blocks", num_blocks)
         check_positive("block_size", block_size)
         if max_model_len is not None:
@@ -202,14 +251,15 @@ class KVCacheManager:
             ValueError: ``num_tokens must be non-negative, got {v}``, or a hash is longer
                 than 32 bytes.
         """
-        num_tokens = operator.index(request.num_tokens)
-        check_non_negative("num_tokens", num_tokens)
+        view = RequestView.read(request)
+        check_non_negative("num_tokens", view.num_tokens)
         if not self._enable_caching:
             return [], 0
-        max_num_blocks = max(num_tokens - 1, 0) // self._block_size
-        hits = self._block_pool.find_longest_cache_hit(
-            request.block_hashes[:max_num_blocks], _GROUP_ID
-        )
+        max_num_blocks = max(view.num_tokens - 1, 0) // self._block_size
+        num_lookups = min(max_num_blocks, view.num_block_hashes)
+        # Read lazily: a hash after the first miss is never read.
+        lookups = (view.block_hashes[i] for i in range(num_lookups))
+        hits = self._block_pool._longest_cache_hit(lookups, _GROUP_ID)
         return hits, len(hits) * self._block_size
 
     # ------------------------------------------------------------------ allocation
@@ -261,16 +311,17 @@ class KVCacheManager:
                 or a block hash of the request is longer than 32 bytes.
             BlockStateError: a block to cache already has a hash.
         """
-        # 1. Types: the request's fields, then the arguments in signature order.
-        request_id = request.request_id
-        num_tokens = operator.index(request.num_tokens)
-        num_computed_tokens = operator.index(request.num_computed_tokens)
-        num_new_tokens = operator.index(num_new_tokens)
-        num_new_computed_tokens = operator.index(num_new_computed_tokens)
-        hits = [] if new_computed_blocks is None else to_int_list(new_computed_blocks)
-        num_lookahead_tokens = operator.index(num_lookahead_tokens)
-        num_external_computed_tokens = operator.index(num_external_computed_tokens)
+        # 1. Reads: the scalar arguments in signature order, the hits, then the request.
+        num_new_tokens = to_int(num_new_tokens)
+        num_new_computed_tokens = to_int(num_new_computed_tokens)
+        num_lookahead_tokens = to_int(num_lookahead_tokens)
+        num_external_computed_tokens = to_int(num_external_computed_tokens)
         delay_cache_blocks = bool(delay_cache_blocks)
+        hits = [] if new_computed_blocks is None else to_int_list(new_computed_blocks)
+        view = RequestView.read(request)
+        request_id = view.request_id
+        num_tokens = view.num_tokens
+        num_computed_tokens = view.num_computed_tokens
         # 2. Counts: the arguments', then the request's.
         check_non_negative("num_new_tokens", num_new_tokens)
         check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
@@ -330,9 +381,7 @@ class KVCacheManager:
             num_cached = len(hits) if adopts else self._num_cached_block.get(request_id, 0)
             # Only tokens that exist are cached (not lookahead slots), up to num_tokens.
             num_tokens_to_cache = min(num_tokens_main_model, num_tokens)
-            plan = self._plan_caching(
-                request, req_blocks, num_cached, num_tokens_to_cache, final_len
-            )
+            plan = self._plan_caching(view, req_blocks, num_cached, num_tokens_to_cache, final_len)
 
         # Adopt the hits and allocate blocks for the external tokens.
         if adopts:
@@ -369,21 +418,21 @@ class KVCacheManager:
                 (``num_full_blocks {nf} exceeds the {len} block ids given``).
             BlockStateError: a block to cache already has a hash.
         """
-        num_computed_tokens = operator.index(num_computed_tokens)
+        num_computed_tokens = to_int(num_computed_tokens)
+        view = RequestView.read(request)
         check_non_negative("num_computed_tokens", num_computed_tokens)
         if not self._enable_caching:
             return
-        request_id = request.request_id
-        block_hashes = request.block_hashes
+        request_id = view.request_id
         req_blocks = self._req_to_blocks.get(request_id, [])
-        num_full = min(num_computed_tokens // self._block_size, len(block_hashes))
+        num_full = min(num_computed_tokens // self._block_size, view.num_block_hashes)
         if num_full > len(req_blocks):
             raise ValueError(
                 f"num_full_blocks {num_full} exceeds the {len(req_blocks)} block ids given"
             )
         num_cached = self._num_cached_block.get(request_id, 0)
         plan = self._plan_caching(
-            request, req_blocks, num_cached, num_computed_tokens, len(req_blocks)
+            view, req_blocks, num_cached, num_computed_tokens, len(req_blocks)
         )
         if plan is not None:
             self._apply_caching(request_id, req_blocks, plan)
@@ -394,7 +443,7 @@ class KVCacheManager:
         Freeing tail first puts the tail of a cached chain ahead of its parents in the
         eviction order. An unknown request is a no-op.
         """
-        request_id = request.request_id
+        request_id = to_request_id(request.request_id)
         blocks = self._req_to_blocks.get(request_id, [])
         self._block_pool.free_blocks(reversed(blocks))
         self._req_to_blocks.pop(request_id, None)
@@ -454,8 +503,8 @@ class KVCacheManager:
                 non-negative, got {v}`` or ``num_hits {h} exceeds the request's {n} tokens``,
                 whether stats are on or not.
         """
-        num_tokens = operator.index(request.num_tokens)
-        num_hits = operator.index(num_hits)
+        num_hits = to_int(num_hits)
+        num_tokens = RequestView.read(request).num_tokens
         # Validated even with stats off, so a bad call fails the same way either way.
         check_non_negative("num_tokens", num_tokens)
         check_non_negative("num_hits", num_hits)
@@ -485,7 +534,7 @@ class KVCacheManager:
 
     def _plan_caching(
         self,
-        request: RequestLike,
+        view: RequestView,
         req_blocks: list[int],
         num_cached: int,
         num_tokens: int,
@@ -499,7 +548,8 @@ class KVCacheManager:
         capped the slots).
 
         Args:
-            request: The request (its ``block_hashes``; with events on, its tokens).
+            view: What the call read of the request (its ``block_hashes``; with events
+                on, the request's tokens and extra-key attributes are read too).
             req_blocks: The table now; entries up to ``table_len`` will be fresh blocks.
             num_cached: Leading blocks of the table already cached.
             num_tokens: Tokens whose full blocks to cache.
@@ -517,21 +567,20 @@ class KVCacheManager:
                 hash) is not ``bytes`` of at most 32 bytes, or a token id is not an int.
             AttributeError: events are on and the request has no ``all_token_ids``.
         """
-        block_hashes = request.block_hashes
-        num_full = min(num_tokens // self._block_size, len(block_hashes), table_len)
+        num_full = min(num_tokens // self._block_size, view.num_block_hashes, table_len)
         if num_cached >= num_full:
             return None
         for block_id in req_blocks[num_cached:num_full]:
             if self._block_pool.get_block(block_id).block_hash is not None:
                 raise BlockStateError(f"block {block_id} already has a hash")
-        hashes = to_block_hashes(block_hashes[num_cached:num_full])
+        hashes = view.hashes(num_cached, num_full)
         event = None
         if self._enable_kv_cache_events:
-            event = self._block_stored_event(request, hashes, num_cached, num_full)
+            event = self._block_stored_event(view, hashes, num_cached, num_full)
         return num_cached, num_full, hashes, event
 
     def _block_stored_event(
-        self, request: RequestLike, hashes: list[bytes], num_cached: int, num_full: int
+        self, view: RequestView, hashes: list[bytes], num_cached: int, num_full: int
     ) -> BlockStored:
         """The ``BlockStored`` of caching blocks ``num_cached .. num_full - 1`` (as vLLM's
         ``BlockPool.cache_full_blocks`` builds it), built before anything changes.
@@ -549,16 +598,15 @@ class KVCacheManager:
         as_int = self._block_pool._kv_events_as_int
         parent = None
         if num_cached > 0:
-            parent = to_block_hash(request.block_hashes[num_cached - 1])
-            check_block_hash(parent)
+            parent = view.hash(num_cached - 1)
         block_size = self._block_size
         token_ids = [
-            operator.index(t)
-            for t in request.all_token_ids[num_cached * block_size : num_full * block_size]
+            to_int(t)
+            for t in view.request.all_token_ids[num_cached * block_size : num_full * block_size]
         ]
         num_blocks = num_full - num_cached
         # LoRA id and name and per-block extra keys; None when the request has none.
-        fields = block_stored_request_fields(request, num_cached, num_blocks, block_size)
+        fields = block_stored_request_fields(view.request, num_cached, num_blocks, block_size)
         lora_id: int | None = None
         lora_name: str | None = None
         extra_keys: list[tuple[Any, ...] | None] = [None] * num_blocks

@@ -21,6 +21,7 @@ from kvblocks.errors import UnknownBlockError
 __all__ = [
     "MAX_BLOCK_HASH_LEN",
     "MAX_GROUP_ID",
+    "MAX_NUM_BLOCKS",
     "BlockHashToBlockMap",
     "BlockState",
     "FreeKVCacheBlockQueue",
@@ -32,9 +33,12 @@ __all__ = [
     "check_group_id",
     "check_non_negative",
     "check_positive",
+    "materialise",
     "to_block_hash",
     "to_block_hashes",
+    "to_int",
     "to_int_list",
+    "to_request_id",
 ]
 
 #: The longest block hash kvblocks stores: a SHA-256 digest (xxh3-128 digests are 16 bytes).
@@ -42,6 +46,16 @@ MAX_BLOCK_HASH_LEN = 32
 
 #: vLLM stores a group id in 4 unsigned big-endian bytes, so this is the largest one.
 MAX_GROUP_ID = 2**32 - 1
+
+#: Ints cross the boundary as signed 64-bit values, as the native backend reads them.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+#: The most blocks a pool holds: block ids are 32-bit, less two reserved for "no block".
+MAX_NUM_BLOCKS = 2**32 - 3
+
+#: A full slice, for copying a ``bytes`` subclass's contents (see :func:`to_block_hash`).
+_ALL = slice(None)
 
 #: A prefix-cache key: the block hash and the KV cache group it was cached for.
 BlockHashKey = tuple[bytes, int]
@@ -67,34 +81,79 @@ def cdiv(a: int, b: int) -> int:
 # Only when all of them pass is anything mutated.
 
 
-def to_int_list(values: Iterable[SupportsIndex]) -> list[int]:
-    """Materialises ``values`` as a list of ints, converting each with ``operator.index``.
+def materialise(values: Iterable[Any]) -> list[Any] | tuple[Any, ...]:
+    """An exact list or tuple as it is, any other iterable through ``list()``.
 
-    A one-dimensional NumPy integer array converts in C (``tolist``); anything else goes
-    item by item.
+    ``list()`` makes the length what exists, never a size the object claims, and the
+    native backend materialises the same way.
+    """
+    if type(values) is list or type(values) is tuple:
+        return values
+    return list(values)
+
+
+def to_int(value: SupportsIndex) -> int:
+    """``operator.index(value)``, refused outside the signed 64-bit range.
+
+    Raises:
+        TypeError: ``value`` is not an integer (``operator.index``'s message).
+        OverflowError: ``value`` does not fit in 64 bits (CPython's message, as natively).
+    """
+    number = operator.index(value)
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise OverflowError("Python int too large to convert to C long")
+    return number
+
+
+def to_int_list(values: Iterable[SupportsIndex]) -> list[int]:
+    """Materialises ``values`` as a list of ints, converting each with :func:`to_int`.
+
+    A one-dimensional NumPy integer array converts in C (``tolist``); anything else is
+    materialised by ``list()`` (so its length is what exists, never a claimed size) and
+    converted item by item.
 
     Raises:
         TypeError: ``values`` is not iterable, or an item is not an integer (the message is
             ``operator.index``'s, e.g. ``'float' object cannot be interpreted as an integer``).
+        OverflowError: An item does not fit in 64 bits.
     """
     if not isinstance(values, list):
         array: Any = values
         kind = getattr(getattr(array, "dtype", None), "kind", None)
         if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
-            ints: list[int] = array.tolist()
-            return ints
-    return [operator.index(v) for v in values]
+            values = array.tolist()
+    return [to_int(v) for v in materialise(values)]
+
+
+def to_request_id(value: object, name: str = "request_id") -> str:
+    """A request id as an exact ``str``: a subclass is read as its contents, as natively.
+
+    Raises:
+        TypeError: ``{name} must be a str, got {type name}``.
+        UnicodeEncodeError: The id holds a lone surrogate, which UTF-8 cannot encode.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    # `str.__str__` copies a subclass's contents, bypassing its dunders.
+    text = str.__str__(value)
+    if not text.isascii():
+        text.encode("utf-8")
+    return text
 
 
 def to_block_hash(value: object) -> bytes:
-    """Checks that ``value`` is a ``bytes`` block hash and returns it.
+    """Checks that ``value`` is a ``bytes`` block hash and returns it as exact ``bytes``.
+
+    A subclass is read as its contents, so its ``__hash__`` and ``__eq__`` never run.
 
     Raises:
         TypeError: ``block hash must be bytes, got {type name}``.
     """
+    if type(value) is bytes:
+        return value
     if not isinstance(value, bytes):
         raise TypeError(f"block hash must be bytes, got {type(value).__name__}")
-    return value
+    return bytes.__getitem__(value, _ALL)
 
 
 def check_block_hash(block_hash: bytes) -> None:
@@ -116,7 +175,7 @@ def to_block_hashes(values: Iterable[object]) -> list[bytes]:
         TypeError: as :func:`to_block_hash`, for the first non-``bytes`` value.
         ValueError: as :func:`check_block_hash`, for the first hash too long.
     """
-    hashes = [to_block_hash(value) for value in values]
+    hashes = [to_block_hash(value) for value in materialise(values)]
     for block_hash in hashes:
         check_block_hash(block_hash)
     return hashes

@@ -13,12 +13,11 @@ during an append, the appended tokens are taken back, so a failed call has no ef
 from __future__ import annotations
 
 import numbers
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, SupportsIndex
 
 from kvblocks.reference.hashing import check_token_ids
-from kvblocks.reference.kv_cache_utils import to_block_hashes
+from kvblocks.reference.kv_cache_utils import to_block_hashes, to_int, to_request_id
 
 __all__ = ["Request"]
 
@@ -75,10 +74,10 @@ class Request:
         Raises:
             TypeError: For a non-str id, a non-int token id or a non-callable hasher,
                 or whatever the hasher raises.
+            UnicodeEncodeError: For an id holding a lone surrogate.
             ValueError: For a token id outside the int64 range, or from the hasher.
         """
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        request_id = to_request_id(request_id)
         if block_hasher is not None and not callable(block_hasher):
             raise TypeError(
                 f"block_hasher must be callable or None, got {type(block_hasher).__name__}"
@@ -180,7 +179,7 @@ class Request:
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: SupportsIndex) -> None:
-        count = operator.index(value)
+        count = to_int(value)
         if count < 0:
             raise ValueError(f"num_computed_tokens must be non-negative, got {count}")
         self._num_computed_tokens = count

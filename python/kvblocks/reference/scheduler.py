@@ -34,7 +34,6 @@ before this step.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, SupportsIndex
@@ -44,6 +43,7 @@ from kvblocks.reference.kv_cache_utils import (
     cdiv,
     check_non_negative,
     check_positive,
+    to_int,
     to_int_list,
 )
 
@@ -188,7 +188,7 @@ def rollback_invalid_blocks(
     computed = to_int_list(num_computed_tokens)
     scheduled = to_int_list(num_scheduled_tokens)
     invalid = set(to_int_list(invalid_block_ids))
-    size = operator.index(block_size)
+    size = to_int(block_size)
     _validate_columns(tables, computed, scheduled, invalid, size)
 
     new_computed = list(computed)
@@ -411,7 +411,7 @@ def handle_failed_recving(
     waiting = list(waiting_for_remote_kvs)
     _check_unique(waiting)
     matched = [request for request in waiting if request.request_id in failed]
-    lost = [operator.index(request.num_computed_tokens) for request in matched]
+    lost = [to_int(request.num_computed_tokens) for request in matched]
     for value in lost:
         check_non_negative("num_computed_tokens", value)
     matched_ids = {request.request_id for request in matched}

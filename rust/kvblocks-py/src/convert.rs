@@ -34,6 +34,18 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
     }
 }
 
+/// The items of any iterable, materialised by Python's own `list()`: its length is
+/// what exists, never a size the object claims, so memory is reserved only from it.
+/// A lying `__length_hint__` gets `list()`'s answer (`MemoryError`, `ValueError`),
+/// as in the reference, which materialises with `list()` too.
+pub fn to_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    // SAFETY: GIL held; returns a new reference or null with an error set.
+    unsafe {
+        Bound::from_owned_ptr_or_err(obj.py(), ffi::PySequence_List(obj.as_ptr()))
+            .map(|list| list.cast_into_unchecked())
+    }
+}
+
 /// `type(obj).__name__`, for error messages.
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
@@ -128,8 +140,9 @@ pub fn int_column_with(
         }
         // Unsigned values past i64::MAX: iterate, so the error names the real value.
     }
-    obj.try_iter()?
-        .map(|item| convert(&item?))
+    to_list(obj)?
+        .iter()
+        .map(|item| convert(&item))
         .collect::<PyResult<_>>()
         .map(IntColumn::Owned)
 }

@@ -466,14 +466,11 @@ impl PyBlockHasher {
             mm_features: attr_or_none(request, intern!(py, "mm_features"))?,
             prompt_embeds: py.None().into_bound(py),
         };
-        let mut ids = self.identities(py, parent);
-        let keys = request_extra_keys(&attrs, start, num_blocks, block_size, &mut ids)?;
-        // A sequence whose slice is short hashes the blocks it has, as the reference does.
+        // A request claiming more tokens than its slice holds hashes the blocks it has,
+        // as the reference does: keys are planned for those only, never for the claim.
         let hashed = (tokens.len() / block_size).min(num_blocks);
-        let keys = keys.map(|mut k| {
-            k.truncate(hashed);
-            k
-        });
+        let mut ids = self.identities(py, parent);
+        let keys = request_extra_keys(&attrs, start, hashed, block_size, &mut ids)?;
         let tokens = tokens.get(..hashed * block_size).unwrap_or_default();
         self.inner
             .hash_blocks(

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
 use pyo3::{ffi, Borrowed, PyTraverseError, PyVisit};
 
-use crate::convert::{int_column, type_name, Flag, Given, IntColumn};
+use crate::convert::{int_column, to_list, type_name, Flag, Given, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
@@ -41,7 +41,7 @@ pub fn block_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
 fn collect_hashes(
     items: impl Iterator<Item = PyResult<kvblocks_core::Result<BlockHash>>>,
 ) -> PyResult<Vec<BlockHash>> {
-    let mut hashes = Vec::with_capacity(items.size_hint().0);
+    let mut hashes = Vec::new();
     let mut too_long = None;
     for item in items {
         match item? {
@@ -67,8 +67,7 @@ fn hash_sequence<'py>(block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
     if let Ok(seq) = block_hashes.cast::<PySequence>() {
         return Ok(seq.clone());
     }
-    let items = block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-    Ok(PyList::new(block_hashes.py(), items)?
+    Ok(to_list(block_hashes)?
         .into_any()
         .cast_into::<PySequence>()?)
 }
@@ -575,8 +574,10 @@ impl PyBlockPool {
             let hashes = (0..seq.len()?).map(|i| seq.get(i));
             return self.with(py, |p| p.find_longest_cache_hit(hashes, group))?;
         }
-        // Any other iterable is read lazily: only up to the first miss.
-        let hashes = block_hashes.try_iter()?.map(|item| block_hash(&item?));
+        // Any other iterable is materialised first; its hashes are still converted
+        // only up to the first miss.
+        let items = to_list(block_hashes)?;
+        let hashes = items.iter().map(|item| block_hash(&item));
         self.with(py, |p| p.find_longest_cache_hit(hashes, group))?
     }
 

@@ -15,7 +15,7 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::OnceLock;
 
-use crate::convert::{type_name, Given};
+use crate::convert::{to_list, type_name, Given};
 use crate::errors::to_py;
 use crate::hashing::{token_id, token_ids, NativeRequest, PyBlockHasher, RequestAttrs};
 use crate::pool::block_hashes;
@@ -223,6 +223,7 @@ impl PyRequest {
                 type_name(request_id)
             ))
         })?;
+        let request_id = id.to_str()?.to_owned();
         let block_hasher = non_none(block_hasher);
         if let Some(hasher) = &block_hasher {
             if !hasher.bind(py).is_callable() {
@@ -240,8 +241,13 @@ impl PyRequest {
         let request = Bound::new(
             py,
             Self {
-                request_id: id.to_str()?.to_owned(),
-                request_id_obj: id.clone().unbind(),
+                // An exact `str`, so a subclass's dunders never run later.
+                request_id_obj: if id.is_exact_instance_of::<PyString>() {
+                    id.clone().unbind()
+                } else {
+                    PyString::new(py, &request_id).unbind()
+                },
+                request_id,
                 num_prompt_tokens: prompt.len(),
                 all_token_ids: prompt,
                 num_computed_tokens: 0,
@@ -449,7 +455,7 @@ impl PyRequest {
         // Any other callable gets the request itself, with no borrow held, and may
         // read anything on it.
         let result = hasher.bind(py).call1((slf,))?;
-        let new_hashes = block_hashes(result.try_iter()?)?;
+        let new_hashes = block_hashes(to_list(&result)?.iter().map(Ok))?;
         slf.try_borrow_mut()?.block_hashes.extend(new_hashes);
         slf.try_borrow()?.sync_views(py)
     }

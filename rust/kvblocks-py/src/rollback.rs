@@ -21,7 +21,7 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
 use pyo3::Borrowed;
 
-use crate::convert::{int_column, Flag, Given, IntColumn};
+use crate::convert::{int_column, to_list, Flag, Given, IntColumn};
 use crate::errors::{IntoPyResult, UnsupportedLayoutError};
 use crate::manager::PyKVCacheManager;
 
@@ -254,7 +254,10 @@ impl PyInvalidBlocksOutcome {
 
 /// Every table of a batch, as integer columns borrowed or converted from Python.
 fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
-    block_tables.try_iter()?.map(|t| int_column(&t?)).collect()
+    to_list(block_tables)?
+        .iter()
+        .map(|t| int_column(&t))
+        .collect()
 }
 
 /// Decide how far every request of a batch rolls back past invalid blocks.
@@ -339,7 +342,7 @@ impl<'py> RequestColumns<'py> {
         requests: &Bound<'py, PyAny>,
         num_scheduled_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Self> {
-        let requests: Vec<Bound<'py, PyAny>> = requests.try_iter()?.collect::<PyResult<_>>()?;
+        let requests: Vec<Bound<'py, PyAny>> = to_list(requests)?.iter().collect();
         let scheduled_map = num_scheduled_tokens.cast::<PyDict>().ok();
         let mut cols = Self {
             ids: Vec::with_capacity(requests.len()),
@@ -677,13 +680,11 @@ pub fn handle_failed_recving(
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let policy = policy.get()?;
     let py = failed_req_ids.py();
-    let reported = failed_req_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    let reported: Vec<Bound<'_, PyAny>> = to_list(failed_req_ids)?.iter().collect();
     let failed = ordered_set(py, reported.iter())?;
     // Ids are read from every waiting request (to match and to refuse duplicates), token
     // counts only from the matched ones, as the reference reads them.
-    let waiting: Vec<Bound<'_, PyAny>> = waiting_for_remote_kvs
-        .try_iter()?
-        .collect::<PyResult<_>>()?;
+    let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
         .map(|r| r.getattr("request_id"))

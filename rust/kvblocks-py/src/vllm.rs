@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyString, PyTuple};
 use rustc_hash::FxBuildHasher;
 
-use crate::convert::{int_column, Flag};
+use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::RequestTokens;
 use crate::manager::{PyHashes, PyKVCacheManager};
@@ -407,9 +407,9 @@ impl PyVllmManager {
 /// The `block_id`s of a sequence of block objects.
 fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let py = blocks.py();
-    blocks
-        .try_iter()?
-        .map(|b| b?.getattr(intern!(py, "block_id"))?.extract())
+    to_list(blocks)?
+        .iter()
+        .map(|b| b.getattr(intern!(py, "block_id"))?.extract())
         .collect()
 }
 
