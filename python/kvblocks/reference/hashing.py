@@ -36,6 +36,7 @@ import operator
 import os
 import pickle
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, SupportsIndex, TypeAlias
 
 import cbor2
@@ -371,6 +372,69 @@ def generate_block_hash_extra_keys(
     return (tuple(extra_keys) if extra_keys else None), next_mm_idx
 
 
+@dataclass(frozen=True, slots=True)
+class _MmPosition:
+    offset: int
+    length: int
+
+
+class _MmItem:
+    """A multimodal item as read once: its position now, its ``identifier`` on first use
+    (only items overlapping a hashed block are asked for one)."""
+
+    __slots__ = ("_feature", "_identifier", "mm_position")
+
+    def __init__(self, feature: Any, mm_position: _MmPosition) -> None:
+        self._feature = feature
+        self.mm_position = mm_position
+        self._identifier: Any = _UNREAD
+
+    @property
+    def identifier(self) -> Any:
+        if self._identifier is _UNREAD:
+            self._identifier = self._feature.identifier
+        return self._identifier
+
+
+@dataclass(frozen=True, slots=True)
+class _Lora:
+    lora_name: Any
+    lora_path: Any
+
+
+_UNREAD = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _ExtraKeySource:
+    """The extra-key attributes of a request, each read once, in the native order:
+    ``lora_request``, ``cache_salt``, ``mm_features`` (``getattr`` with ``None``); then,
+    when a block is hashed, ``mm_features``' truth, length and each item's position,
+    the salt's truth (hashing from block 0 only), the adapter's truth, name and path."""
+
+    lora_request: _Lora | None
+    cache_salt: Any
+    mm_features: list[_MmItem]
+
+    @classmethod
+    def read(cls, request: object, start: int, hashes_any: bool) -> _ExtraKeySource:
+        lora_request: Any = getattr(request, "lora_request", None)
+        cache_salt: Any = getattr(request, "cache_salt", None)
+        mm_features: Any = getattr(request, "mm_features", None)
+        if not hashes_any:
+            return cls(None, None, [])
+        items = []
+        if mm_features:
+            for i in range(len(mm_features)):
+                feature = mm_features[i]
+                position = feature.mm_position
+                offset, length = to_int(position.offset), to_int(position.length)
+                items.append(_MmItem(feature, _MmPosition(offset, length)))
+        salt = cache_salt if start == 0 and cache_salt else None
+        lora = _Lora(lora_request.lora_name, lora_request.lora_path) if lora_request else None
+        return cls(lora, salt, items)
+
+
 class BlockHasher:
     """Computes vLLM block hashes for one algorithm, block size and seed.
 
@@ -537,12 +601,14 @@ class BlockHasher:
         # walk below covers those, never the claim.
         end = start + len(tokens) // block_size * block_size
 
+        source = _ExtraKeySource.read(request, start, end > start)
+
         # Past block 0 only the last multimodal item can still overlap (vLLM's -1).
         mm_idx = 0 if start == 0 else -1
         extra_keys: list[ExtraKeys] = []
         for block_start in range(start, end, block_size):
             keys, mm_idx = generate_block_hash_extra_keys(
-                request, block_start, block_start + block_size, mm_idx
+                source, block_start, block_start + block_size, mm_idx
             )
             check_extra_keys(keys)
             extra_keys.append(keys)

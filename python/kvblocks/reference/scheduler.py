@@ -43,8 +43,10 @@ from kvblocks.reference.kv_cache_utils import (
     cdiv,
     check_non_negative,
     check_positive,
+    materialise,
     to_int,
     to_int_list,
+    to_request_id,
 )
 
 __all__ = [
@@ -184,11 +186,26 @@ def rollback_invalid_blocks(
             too short to hold the tokens computed before this step.
     """
     strict = _check_mode(mode)
-    tables = [to_int_list(table) for table in block_tables]
+    tables = [to_int_list(table) for table in materialise(block_tables)]
     computed = to_int_list(num_computed_tokens)
     scheduled = to_int_list(num_scheduled_tokens)
     invalid = set(to_int_list(invalid_block_ids))
     size = to_int(block_size)
+    return _decide(tables, computed, scheduled, invalid, size, collect_evictions, strict)[0]
+
+
+def _decide(  # noqa: PLR0917 (the primitive's columns, read and converted)
+    tables: list[list[int]],
+    computed: list[int],
+    scheduled: list[int],
+    invalid: set[int],
+    size: int,
+    collect_evictions: bool,
+    strict: bool,
+) -> tuple[RollbackResult, set[int]]:
+    """:func:`rollback_invalid_blocks` over converted columns; also returns the blocks
+    to evict as the set vLLM builds (its members added in vLLM's order, which sets the
+    order it iterates in)."""
     _validate_columns(tables, computed, scheduled, invalid, size)
 
     new_computed = list(computed)
@@ -233,12 +250,13 @@ def rollback_invalid_blocks(
             total_affected_tokens += computed[i] - req_num_computed_tokens
             new_computed[i] = req_num_computed_tokens
 
-    return RollbackResult(
+    result = RollbackResult(
         num_computed_tokens=new_computed,
         affected=affected,
         total_affected_tokens=total_affected_tokens,
         blocks_to_evict=sorted(blocks_to_evict),
     )
+    return result, blocks_to_evict
 
 
 def update_requests_with_invalid_blocks(
@@ -271,20 +289,18 @@ def update_requests_with_invalid_blocks(
         ValueError: As :func:`rollback_invalid_blocks`, or a request given twice.
         UnsupportedLayoutError: The manager has more than one KV cache group.
     """
-    _check_mode(mode)
+    strict = _check_mode(mode)
+    collect_evictions = bool(evict_blocks)
     _check_single_group(kv_cache_manager)
-    batch = list(requests)
-    _check_unique(batch)
-    result = _rollback_requests(
-        kv_cache_manager,
-        batch,
-        invalid_block_ids,
-        num_scheduled_tokens,
-        collect_evictions=evict_blocks,
-        mode=mode,
+    batch = _Pass.gather(requests, num_scheduled_tokens)
+    batch.check_unique(set())
+    tables = batch.tables(kv_cache_manager)
+    invalid = set(to_int_list(invalid_block_ids))
+    size = to_int(kv_cache_manager.block_size)
+    result, to_evict = _decide(
+        tables, batch.computed, batch.scheduled, invalid, size, collect_evictions, strict
     )
-    affected_req_ids = _apply(batch, result)
-    return affected_req_ids, result.total_affected_tokens, set(result.blocks_to_evict)
+    return batch.apply(result), result.total_affected_tokens, to_evict
 
 
 def handle_invalid_blocks(
@@ -331,37 +347,35 @@ def handle_invalid_blocks(
             before anything else is looked at, as vLLM fails closed).
     """
     recompute = _check_policy(policy)
-    _check_mode(mode)
+    strict = _check_mode(mode)
     _check_single_group(kv_cache_manager)
-    async_requests = list(waiting_for_remote_kvs)
-    sync_requests = list(running)
-    _check_unique(async_requests + sync_requests)
+    # Every input is read once, in this order, before anything is decided.
+    async_pass = _Pass.gather(waiting_for_remote_kvs, num_scheduled_tokens)
+    sync_pass = _Pass.gather(running, num_scheduled_tokens)
+    seen: set[str] = set()
+    async_pass.check_unique(seen)
+    sync_pass.check_unique(seen)
+    async_tables = async_pass.tables(kv_cache_manager)
+    sync_tables = sync_pass.tables(kv_cache_manager)
+    invalid = set(to_int_list(invalid_block_ids))
+    size = to_int(kv_cache_manager.block_size)
 
     # Both passes are decided before anything is written, so an error changes nothing.
-    async_result = _rollback_requests(
-        kv_cache_manager,
-        async_requests,
-        invalid_block_ids,
-        num_scheduled_tokens,
-        collect_evictions=False,
-        mode=mode,
+    async_result, _ = _decide(
+        async_tables, async_pass.computed, async_pass.scheduled, invalid, size, False, strict
     )
-    sync_result = _rollback_requests(
-        kv_cache_manager,
-        sync_requests,
-        invalid_block_ids,
-        num_scheduled_tokens,
-        collect_evictions=True,
-        mode=mode,
+    sync_result, to_evict = _decide(
+        sync_tables, sync_pass.computed, sync_pass.scheduled, invalid, size, True, strict
     )
     evicted_block_ids: set[int] = set()
-    if sync_result.blocks_to_evict and (not recompute or mode == "strict"):
+    if to_evict and (not recompute or strict):
         # vLLM's recompute keeps the hashes and rewrites the blocks in place; strict
-        # mode does not leave them reachable by prefix hits meanwhile.
-        evicted_block_ids = set(sync_result.blocks_to_evict)
+        # mode does not leave them reachable by prefix hits meanwhile. Evicting first
+        # means a manager that refuses leaves every request unchanged.
+        evicted_block_ids = to_evict
         kv_cache_manager.evict_blocks(evicted_block_ids)
-    async_affected = _apply(async_requests, async_result)
-    sync_affected = _apply(sync_requests, sync_result)
+    async_affected = async_pass.apply(async_result)
+    sync_affected = sync_pass.apply(sync_result)
 
     total_affected_tokens = async_result.total_affected_tokens + sync_result.total_affected_tokens
     if recompute:
@@ -407,14 +421,19 @@ def handle_failed_recving(
         ValueError: Bad policy, a negative token count, or a request given twice.
     """
     recompute = _check_policy(policy)
-    failed = set(failed_req_ids)
-    waiting = list(waiting_for_remote_kvs)
-    _check_unique(waiting)
-    matched = [request for request in waiting if request.request_id in failed]
+    reported = [to_request_id(i, "failed_req_ids item") for i in materialise(failed_req_ids)]
+    failed = set(reported)
+    waiting = list(materialise(waiting_for_remote_kvs))
+    ids = [to_request_id(request.request_id) for request in waiting]
+    _check_unique(ids)
+    # Token counts are read from the matched requests only.
+    matched = [request for request, i in zip(waiting, ids, strict=True) if i in failed]
     lost = [to_int(request.num_computed_tokens) for request in matched]
     for value in lost:
         check_non_negative("num_computed_tokens", value)
-    matched_ids = {request.request_id for request in matched}
+    # In the order they were reported, as vLLM's `_handle_failed_recving` adds them.
+    waiting_ids = set(ids)
+    matched_ids = {i for i in reported if i in waiting_ids}
     if recompute:
         for request in matched:
             request.num_computed_tokens = 0
@@ -427,39 +446,63 @@ def handle_failed_recving(
     )
 
 
-def _rollback_requests(
-    kv_cache_manager: BlockTableSource,
-    requests: list[RequestLike],
-    invalid_block_ids: Iterable[SupportsIndex],
-    num_scheduled_tokens: Mapping[str, SupportsIndex],
-    *,
-    collect_evictions: bool,
-    mode: str,
-) -> RollbackResult:
-    """Gathers the columns of ``requests`` (distinct, as the callers check) and runs
-    :func:`rollback_invalid_blocks`."""
-    block_tables: list[Sequence[int]] = []
-    for request in requests:
-        groups = kv_cache_manager.get_block_ids(request.request_id)
-        if len(groups) != 1:
-            raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
-        block_tables.append(groups[0])
-    return rollback_invalid_blocks(
-        block_tables,
-        [request.num_computed_tokens for request in requests],
-        [num_scheduled_tokens.get(request.request_id, 0) for request in requests],
-        invalid_block_ids,
-        kv_cache_manager.block_size,
-        collect_evictions=collect_evictions,
-        mode=mode,
-    )
+#: ``num_scheduled_tokens`` holds no entry for the request.
+_UNSCHEDULED = object()
 
 
-def _apply(requests: list[RequestLike], result: RollbackResult) -> set[str]:
-    """Writes the affected requests' new token counts; returns their ids."""
-    for i in result.affected:
-        requests[i].num_computed_tokens = result.num_computed_tokens[i]
-    return {requests[i].request_id for i in result.affected}
+@dataclass(slots=True)
+class _Pass:
+    """One pass's requests, each read once: ``request_id``, then ``num_computed_tokens``,
+    then its entry of ``num_scheduled_tokens`` (0 when it has none)."""
+
+    requests: list[RequestLike]
+    ids: list[str]
+    computed: list[int]
+    scheduled: list[int]
+
+    @classmethod
+    def gather(
+        cls, requests: Iterable[RequestLike], num_scheduled_tokens: Mapping[str, SupportsIndex]
+    ) -> _Pass:
+        """Reads the requests in order.
+
+        A ``dict`` (or subclass) is read as a dict, as the native backend does: its
+        overridden ``get`` is not called. Any other mapping is read through ``get``.
+        """
+        batch = list(materialise(requests))
+        ids: list[str] = []
+        computed: list[int] = []
+        scheduled: list[int] = []
+        for request in batch:
+            request_id = to_request_id(request.request_id)
+            computed.append(to_int(request.num_computed_tokens))
+            if isinstance(num_scheduled_tokens, dict):
+                entry = dict.get(num_scheduled_tokens, request_id, _UNSCHEDULED)
+            else:
+                entry = num_scheduled_tokens.get(request_id, 0)
+            scheduled.append(0 if entry is _UNSCHEDULED else to_int(entry))
+            ids.append(request_id)
+        return cls(batch, ids, computed, scheduled)
+
+    def check_unique(self, seen: set[str]) -> None:
+        """Refuses a request met twice, in this pass or one already in ``seen``."""
+        _check_unique(self.ids, seen)
+
+    def tables(self, kv_cache_manager: BlockTableSource) -> list[list[int]]:
+        """Each request's block table, converted as soon as it is read."""
+        tables: list[list[int]] = []
+        for request_id in self.ids:
+            groups = kv_cache_manager.get_block_ids(request_id)
+            if len(groups) != 1:
+                raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
+            tables.append(to_int_list(groups[0]))
+        return tables
+
+    def apply(self, result: RollbackResult) -> set[str]:
+        """Writes the affected requests' new token counts; returns their ids."""
+        for i in result.affected:
+            self.requests[i].num_computed_tokens = result.num_computed_tokens[i]
+        return {self.ids[i] for i in result.affected}
 
 
 def _validate_columns(
@@ -502,18 +545,18 @@ def _check_block_ids(i: int, block_ids: list[int]) -> None:
         raise ValueError(f"block_tables[{i}][{j}] must be non-negative, got {block_id}")
 
 
-def _check_unique(requests: list[RequestLike]) -> None:
+def _check_unique(ids: list[str], seen: set[str] | None = None) -> None:
     """A request may appear once: vLLM's scheduler never lists one twice."""
-    seen: set[str] = set()
-    for request in requests:
-        if request.request_id in seen:
-            raise ValueError(f"request {request.request_id!r} appears more than once")
-        seen.add(request.request_id)
+    seen = set() if seen is None else seen
+    for request_id in ids:
+        if request_id in seen:
+            raise ValueError(f"request {request_id!r} appears more than once")
+        seen.add(request_id)
 
 
 def _check_single_group(kv_cache_manager: object) -> None:
     """Block ids are unique only within a KV cache group: fail closed on several."""
-    if getattr(kv_cache_manager, "num_kv_cache_groups", 1) > 1:
+    if to_int(getattr(kv_cache_manager, "num_kv_cache_groups", 1)) > 1:
         raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
 
 

@@ -322,8 +322,8 @@ pub fn rollback_invalid_blocks(
 }
 
 /// The error for a request given twice in one call (its id shown as Python's `repr`).
-fn appears_twice(request_id: &Bound<'_, PyAny>) -> PyErr {
-    match request_id.repr() {
+fn appears_twice(py: Python<'_>, request_id: &str) -> PyErr {
+    match PyString::new(py, request_id).repr() {
         Ok(id) => PyValueError::new_err(format!("request {id} appears more than once")),
         Err(err) => err,
     }
@@ -370,7 +370,7 @@ impl<'py> RequestColumns<'py> {
     fn check_unique<'a>(&'a self, seen: &mut HashSet<&'a str>) -> PyResult<()> {
         for (id, request) in self.ids.iter().zip(&self.requests) {
             if !seen.insert(id) {
-                return Err(appears_twice(&request.getattr("request_id")?));
+                return Err(appears_twice(request.py(), id));
             }
         }
         Ok(())
@@ -680,28 +680,28 @@ pub fn handle_failed_recving(
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let policy = policy.get()?;
     let py = failed_req_ids.py();
-    let reported: Vec<Bound<'_, PyAny>> = to_list(failed_req_ids)?.iter().collect();
-    let failed = ordered_set(py, reported.iter())?;
-    // Ids are read from every waiting request (to match and to refuse duplicates), token
-    // counts only from the matched ones, as the reference reads them.
+    // Every id is read once, as its exact contents: ids compare by content, never by a
+    // subclass's `__eq__` or `__hash__`.
+    let reported = to_list(failed_req_ids)?
+        .iter()
+        .map(|id| id.extract::<PyBackedStr>())
+        .collect::<PyResult<Vec<_>>>()?;
+    let failed: HashSet<&str> = reported.iter().map(|id| &**id).collect();
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
-        .map(|r| r.getattr("request_id"))
+        .map(|r| r.getattr("request_id")?.extract::<PyBackedStr>())
         .collect::<PyResult<Vec<_>>>()?;
-    let seen = PySet::empty(py)?;
+    let mut seen = HashSet::with_capacity(ids.len());
     for id in &ids {
-        if seen.contains(id)? {
-            return Err(appears_twice(id));
-        }
-        seen.add(id)?;
-    }
-    let mut matched = Vec::new();
-    for (i, id) in ids.iter().enumerate() {
-        if failed.contains(id)? {
-            matched.push(i);
+        if !seen.insert(&**id) {
+            return Err(appears_twice(py, id));
         }
     }
+    // Token counts are read from the matched requests only.
+    let matched: Vec<usize> = (0..ids.len())
+        .filter(|&i| failed.contains(&*ids[i]))
+        .collect();
     let computed = matched
         .iter()
         .map(|&i| waiting[i].getattr("num_computed_tokens")?.extract::<i64>())
@@ -711,11 +711,8 @@ pub fn handle_failed_recving(
     let mut matched_ids = Vec::with_capacity(matched.len());
     let mut kept = HashSet::with_capacity(matched.len());
     for id in &reported {
-        if seen.contains(id)? {
-            let id: String = id.extract()?;
-            if kept.insert(id.clone()) {
-                matched_ids.push(id);
-            }
+        if seen.contains(&**id) && kept.insert(&**id) {
+            matched_ids.push(id.to_string());
         }
     }
     let recompute = matches!(policy, Policy::Recompute);

@@ -1,0 +1,298 @@
+"""Hostile input, one test per class of fault found by differential fuzzing.
+
+Every public call reads each input once, in a documented order, into plain values
+(64-bit ints, exact ``str``/``bytes`` contents, lists made by ``list()``), validates
+them, then uses them. Cases that once aborted the process or hung run in a child
+process, so a regression is a reported failure with its reproducer, not a dead run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from kvblocks.errors import KVBlocksError
+
+from tests.conftest import outcome
+
+
+class LyingIterator:
+    """An empty iterator whose ``__length_hint__`` claims ``hint`` items."""
+
+    def __init__(self, hint: int) -> None:
+        self.hint = hint
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        raise StopIteration
+
+    def __length_hint__(self) -> int:
+        return self.hint
+
+
+def run_child(backend: ModuleType, body: str, timeout: float = 60) -> str:
+    """Runs ``body`` (which prints its result) on ``backend`` in a fresh interpreter."""
+    name = "python" if backend.__name__ == "kvblocks.reference" else "rust"
+    code = f"from kvblocks import load_backend\nkb = load_backend({name!r})\n" + textwrap.dedent(
+        body
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung for {timeout} s; reproduce with:\n{code}")
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}\n{code}"
+    return proc.stdout.strip()
+
+
+# ------------------------------------------------------------------ claimed sizes
+
+
+@pytest.mark.parametrize("hint", [2**40, 2**62])
+def test_a_hashers_lying_length_hint_is_refused_not_aborted(backend: ModuleType, hint: int) -> None:
+    out = run_child(
+        backend,
+        f"""
+        from tests.test_hostile_input import LyingIterator
+        try:
+            kb.Request("r", [1, 2], block_hasher=lambda r: LyingIterator({hint}))
+        except MemoryError:
+            print("MemoryError")
+        """,
+    )
+    assert out == "MemoryError"
+
+
+def test_appended_tokens_with_a_lying_length_hint_change_nothing(backend: ModuleType) -> None:
+    out = run_child(
+        backend,
+        """
+        from tests.test_hostile_input import LyingIterator
+        r = kb.Request("r", [1, 2])
+        try:
+            r.append_output_token_ids(LyingIterator(2**40))
+        except MemoryError:
+            print("MemoryError", r.all_token_ids)
+        """,
+    )
+    assert out == "MemoryError [1, 2]"
+
+
+@pytest.mark.parametrize("claimed", [2**40, 2**62])
+def test_a_request_claiming_more_tokens_hashes_the_blocks_it_has(
+    backend: ModuleType, claimed: int
+) -> None:
+    out = run_child(
+        backend,
+        f"""
+        class Duck:
+            all_token_ids = [1, 2, 3, 4, 5]
+            num_tokens = {claimed}
+            block_hashes = []
+            cache_salt = "salt"
+        hasher = kb.BlockHasher(2, seed="s")
+        print(hasher(Duck()) == hasher.hash_blocks([1, 2, 3, 4], extra_keys=[
+            (("cache_salt", "salt"),), None]))
+        """,
+    )
+    assert out == "True"
+
+
+@pytest.mark.parametrize("num_blocks", [2**32 - 2, 2**40])
+def test_pools_past_the_limit_are_refused_at_once(backend: ModuleType, num_blocks: int) -> None:
+    out = run_child(
+        backend,
+        f"""
+        for make in (lambda: kb.BlockPool({num_blocks}), lambda: kb.KVCacheManager({num_blocks}, 16)):
+            try:
+                make()
+            except ValueError as e:
+                print(e)
+        """,
+    )
+    expected = f"num_blocks must be at most {2**32 - 3}, got {num_blocks}"
+    assert out.splitlines() == [expected, expected]
+
+
+# ------------------------------------------------------------------ read once
+
+
+def test_one_shot_invalid_ids_reach_every_pass(backend: ModuleType) -> None:
+    def run(invalid: Any) -> Any:
+        manager = backend.KVCacheManager(16, 4)
+        req = backend.Request("a", list(range(8)))
+        manager.allocate_slots(req, 8)
+        req.num_computed_tokens = 8
+        result = backend.handle_invalid_blocks(manager, invalid, {}, running=[req])
+        return result, req.num_computed_tokens, manager.get_block_ids("a")
+
+    ids = manager_ids = run([1])
+    assert run(iter([1])) == manager_ids
+    assert ids[0].failed_req_ids == {"a"} and ids[1] == 0
+
+
+class CountingRequest:
+    """A duck request whose every attribute read is counted and changes the next value."""
+
+    def __init__(self) -> None:
+        self.reads: dict[str, int] = {}
+        self._num_computed_tokens = 0
+
+    def _read(self, name: str) -> int:
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return self.reads[name]
+
+    @property
+    def request_id(self) -> str:
+        return f"r{self._read('request_id')}"
+
+    @property
+    def num_tokens(self) -> int:
+        return 8 * self._read("num_tokens")
+
+    @property
+    def num_computed_tokens(self) -> int:
+        self._read("num_computed_tokens")
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._num_computed_tokens = value
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        self._read("block_hashes")
+        return [bytes([1]) * 32, bytes([2]) * 32]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, r: m.get_computed_blocks(r),
+        lambda m, r: m.allocate_slots(r, 8),
+        lambda m, r: m.cache_blocks(r, 0),
+        lambda m, r: m.record_prefix_cache_stats(r, 0),
+    ],
+    ids=["get_computed_blocks", "allocate_slots", "cache_blocks", "record_prefix_cache_stats"],
+)
+def test_manager_reads_each_request_attribute_once(backend: ModuleType, call: Any) -> None:
+    request = CountingRequest()
+    call(backend.KVCacheManager(16, 4), request)
+    assert request.reads == dict.fromkeys(
+        ["request_id", "num_tokens", "num_computed_tokens", "block_hashes"], 1
+    )
+
+
+def test_rollback_reads_each_request_attribute_once(backend: ModuleType) -> None:
+    manager = backend.KVCacheManager(16, 4)
+    request = CountingRequest()
+    backend.handle_invalid_blocks(manager, [1], {}, running=[request])
+    assert request.reads == {"request_id": 1, "num_computed_tokens": 1}
+
+
+class HostileDict(dict[str, int]):
+    def get(self, *args: Any) -> Any:  # type: ignore[override]
+        raise AssertionError("a dict is read as a dict")
+
+    def __getitem__(self, key: str) -> int:
+        raise AssertionError("a dict is read as a dict")
+
+
+def test_scheduled_tokens_dict_subclass_is_read_as_a_dict(backend: ModuleType) -> None:
+    manager = backend.KVCacheManager(16, 4)
+    req = backend.Request("a", list(range(8)))
+    manager.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    affected, tokens, _ = backend.update_requests_with_invalid_blocks(
+        manager, [req], [1], HostileDict(a=4)
+    )
+    # Four tokens were computed before this step, in block 1, which failed.
+    assert (affected, tokens, req.num_computed_tokens) == ({"a"}, 4, 0)
+
+
+# ------------------------------------------------------------------ exact contents
+
+
+class HostileStr(str):
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        raise RuntimeError("__hash__ must not run")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("__eq__ must not run")
+
+
+class HostileBytes(bytes):
+    def __hash__(self) -> int:
+        raise RuntimeError("__hash__ must not run")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("__eq__ must not run")
+
+
+def test_request_ids_are_read_as_their_contents(backend: ModuleType) -> None:
+    request = backend.Request(HostileStr("a"), list(range(8)))
+    assert type(request.request_id) is str
+    manager = backend.KVCacheManager(16, 4)
+    manager.allocate_slots(request, 8)
+    assert manager.get_block_ids("a") == ([1, 2],)
+    outcome_ = backend.handle_failed_recving([HostileStr("a")], [request])
+    assert outcome_.failed_req_ids == {"a"}
+
+
+def test_unencodable_and_non_str_ids_raise_the_same_class(backend: ModuleType) -> None:
+    with pytest.raises(UnicodeEncodeError):
+        backend.Request("\ud800", [1])
+    with pytest.raises(TypeError):
+        backend.Request(7, [1])
+
+
+def test_a_hash_with_hostile_dunders_is_cached_by_content(backend: ModuleType) -> None:
+    pool = backend.BlockPool(8, block_size=2)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [HostileBytes(b"a" * 32), HostileBytes(b"b" * 32)], 0, 2, 0)
+    pool.check_invariants()
+    assert pool.get_cached_block(b"b" * 32) == [blocks[1]]
+    assert type(pool.get_block(blocks[0]).block_hash) is bytes
+
+
+def test_seed_subclass_is_read_as_its_contents(backend: ModuleType) -> None:
+    class Seed(str):
+        __slots__ = ()
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            raise RuntimeError("the seed is hashed as a plain str")
+
+    hasher = backend.BlockHasher(4, seed=Seed("s"))
+    assert type(hasher.seed) is str
+    assert hasher.none_hash == backend.BlockHasher(4, seed="s").none_hash
+
+
+# ------------------------------------------------------------------ 64-bit ints
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda b: b.BlockPool(2**70),
+        lambda b: b.BlockPool(8).get_new_blocks(2**70),
+        lambda b: b.BlockPool(8).free_blocks([2**70]),
+        lambda b: b.BlockPool(8).get_block(-(2**70)),
+        lambda b: b.BlockHasher(2**64),
+        lambda b: b.KVCacheManager(8, 2**70),
+        lambda b: b.KVCacheManager(8, 4).allocate_slots(b.Request("a", [1]), 2**64),
+    ],
+)
+def test_ints_past_64_bits_raise_overflow_error(backend: ModuleType, call: Any) -> None:
+    result = outcome(lambda: call(backend))
+    assert result[:2] == ("error", OverflowError)
+    assert not issubclass(result[1], KVBlocksError)
