@@ -45,7 +45,11 @@ def run_child(backend: ModuleType, body: str, timeout: float = 60) -> str:
     )
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-c", code],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"hung for {timeout} s; reproduce with:\n{code}")
@@ -111,7 +115,8 @@ def test_pools_past_the_limit_are_refused_at_once(backend: ModuleType, num_block
     out = run_child(
         backend,
         f"""
-        for make in (lambda: kb.BlockPool({num_blocks}), lambda: kb.KVCacheManager({num_blocks}, 16)):
+        n = {num_blocks}
+        for make in (lambda: kb.BlockPool(n), lambda: kb.KVCacheManager(n, 16)):
             try:
                 make()
             except ValueError as e:
