@@ -301,3 +301,40 @@ def test_ints_past_64_bits_raise_overflow_error(backend: ModuleType, call: Any) 
     result = outcome(lambda: call(backend))
     assert result[:2] == ("error", OverflowError)
     assert not issubclass(result[1], KVBlocksError)
+
+
+# ------------------------------------------------------------------ value classes
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda b: b.RollbackResult([1.5], [0], 0, []), TypeError),
+        (lambda b: b.RollbackResult("12", [0], 0, []), TypeError),
+        (lambda b: b.RollbackResult((x for x in [1]), [0], 0, []), TypeError),
+        (lambda b: b.RollbackResult([1], [-1], 0, []), OverflowError),
+        (lambda b: b.RollbackResult([1], [0], -1, []), OverflowError),
+        (lambda b: b.InvalidBlocksOutcome(["a"], set(), set(), set(), 0), TypeError),
+        (lambda b: b.InvalidBlocksOutcome({1}, set(), set(), set(), 0), TypeError),
+        (lambda b: b.InvalidBlocksOutcome(set(), set(), set(), {"x"}, 0), TypeError),
+        (lambda b: b.InvalidBlocksOutcome(set(), set(), set(), set(), -1), OverflowError),
+        (lambda b: b.PrefixCacheStats(-1), OverflowError),
+        (lambda b: b.PrefixCacheStats(1.0), TypeError),
+        (lambda b: b.PrefixCacheStats(reset=1), TypeError),
+    ],
+)
+def test_value_classes_check_their_fields(backend: ModuleType, make: Any, error: type) -> None:
+    with pytest.raises(error):
+        make(backend)
+
+
+def test_value_classes_store_plain_values(backend: ModuleType) -> None:
+    result = backend.RollbackResult((4,), [0], 4, (1, 2))
+    assert (result.num_computed_tokens, result.blocks_to_evict) == ([4], [1, 2])
+
+    class Id(str):
+        __slots__ = ()
+
+    outcome_ = backend.InvalidBlocksOutcome(frozenset({Id("a")}), set(), set(), set(), 0)
+    assert outcome_.failed_req_ids == {"a"}
+    assert all(type(i) is str for i in outcome_.failed_req_ids)

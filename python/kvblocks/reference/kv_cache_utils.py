@@ -12,7 +12,7 @@ KV cache group, with two differences that make the state observable and checkabl
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
@@ -123,6 +123,61 @@ def to_int_list(values: Iterable[SupportsIndex]) -> list[int]:
         if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
             values = array.tolist()
     return [to_int(v) for v in materialise(values)]
+
+
+# Value-class fields, converted as the native classes store them: lists and sets of
+# 64-bit ints, sets of exact str, unsigned counters, exact bools.
+
+
+def to_uint(value: SupportsIndex, bits: int = 64) -> int:
+    """An unsigned counter of ``bits`` bits.
+
+    Raises:
+        TypeError: ``value`` is not an integer.
+        OverflowError: ``value`` is negative or does not fit.
+    """
+    number = operator.index(value)
+    if number < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    if number >= 1 << bits:
+        raise OverflowError("int too big to convert")
+    return number
+
+
+def to_field_list(value: object, item: Callable[[Any], int] = to_int) -> list[int]:
+    """A list field: any sequence but a ``str``, each item converted by ``item``.
+
+    Raises:
+        TypeError: ``value`` is a ``str`` or not a sequence, or an item is not an integer.
+        OverflowError: an item does not fit.
+    """
+    if isinstance(value, str):
+        raise TypeError("Can't extract `str` to `Vec`")
+    if not isinstance(value, Sequence):
+        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'Sequence'")
+    return [item(v) for v in materialise(value)]
+
+
+def to_field_set(value: object, item: Callable[[Any], Any]) -> set[Any]:
+    """A set field: a ``set`` or ``frozenset``, each item converted by ``item``.
+
+    Raises:
+        TypeError: ``value`` is not a set, or an item has the wrong type.
+    """
+    if not isinstance(value, set | frozenset):
+        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'set'")
+    return {item(v) for v in list(value)}
+
+
+def to_flag(value: object) -> bool:
+    """An exact ``bool`` field.
+
+    Raises:
+        TypeError: ``value`` is not a ``bool``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'bool'")
+    return value
 
 
 def to_request_id(value: object, name: str = "request_id") -> str:
@@ -471,3 +526,9 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
     reset: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", to_uint(self.requests))
+        object.__setattr__(self, "queries", to_uint(self.queries))
+        object.__setattr__(self, "hits", to_uint(self.hits))
+        object.__setattr__(self, "reset", to_flag(self.reset))

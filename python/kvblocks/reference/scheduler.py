@@ -44,9 +44,12 @@ from kvblocks.reference.kv_cache_utils import (
     check_non_negative,
     check_positive,
     materialise,
+    to_field_list,
+    to_field_set,
     to_int,
     to_int_list,
     to_request_id,
+    to_uint,
 )
 
 __all__ = [
@@ -124,6 +127,12 @@ class RollbackResult:
     total_affected_tokens: int
     blocks_to_evict: list[int]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_computed_tokens", to_field_list(self.num_computed_tokens))
+        object.__setattr__(self, "affected", to_field_list(self.affected, to_uint))
+        object.__setattr__(self, "total_affected_tokens", to_uint(self.total_affected_tokens, 128))
+        object.__setattr__(self, "blocks_to_evict", to_field_list(self.blocks_to_evict))
+
 
 @dataclass(frozen=True, slots=True)
 class InvalidBlocksOutcome:
@@ -145,6 +154,12 @@ class InvalidBlocksOutcome:
     retry_req_ids: set[str]
     evicted_block_ids: set[int]
     total_affected_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("failed_req_ids", "rescheduled_req_ids", "retry_req_ids"):
+            object.__setattr__(self, name, to_field_set(getattr(self, name), _exact_id))
+        object.__setattr__(self, "evicted_block_ids", to_field_set(self.evicted_block_ids, to_int))
+        object.__setattr__(self, "total_affected_tokens", to_uint(self.total_affected_tokens, 128))
 
 
 def rollback_invalid_blocks(
@@ -444,6 +459,12 @@ def handle_failed_recving(
         evicted_block_ids=set(),
         total_affected_tokens=sum(lost),
     )
+
+
+def _exact_id(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'str'")
+    return to_request_id(value)
 
 
 #: ``num_scheduled_tokens`` holds no entry for the request.
