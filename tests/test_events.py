@@ -285,7 +285,7 @@ def image(offset: int, length: int) -> SimpleNamespace:
 
 
 def test_lora_multimodal_and_salt_fields(backend: ModuleType, lora: SimpleNamespace) -> None:
-    """The behaviour notes' example: extra keys published untagged, per block."""
+    """LoRA, an image across two blocks and a salt: extra keys published untagged, per block."""
     hasher = backend.BlockHasher(4, "sha256", "m")
     manager = backend.KVCacheManager(8, 4, enable_kv_cache_events=True)
     request = backend.Request(

@@ -8,17 +8,18 @@ process, so a regression is a reported failure with its reproducer, not a dead r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import outcome
 from kvblocks.errors import KVBlocksError
-
-from tests.conftest import outcome
 
 
 class LyingIterator:
@@ -47,6 +48,7 @@ def run_child(backend: ModuleType, body: str, timeout: float = 60) -> str:
         proc = subprocess.run(
             [sys.executable, "-c", code],
             check=False,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -65,7 +67,7 @@ def test_a_hashers_lying_length_hint_is_refused_not_aborted(backend: ModuleType,
     out = run_child(
         backend,
         f"""
-        from tests.test_hostile_input import LyingIterator
+        from test_hostile_input import LyingIterator
         try:
             kb.Request("r", [1, 2], block_hasher=lambda r: LyingIterator({hint}))
         except MemoryError:
@@ -79,7 +81,7 @@ def test_appended_tokens_with_a_lying_length_hint_change_nothing(backend: Module
     out = run_child(
         backend,
         """
-        from tests.test_hostile_input import LyingIterator
+        from test_hostile_input import LyingIterator
         r = kb.Request("r", [1, 2])
         try:
             r.append_output_token_ids(LyingIterator(2**40))
@@ -204,7 +206,7 @@ def test_rollback_reads_each_request_attribute_once(backend: ModuleType) -> None
 
 
 class HostileDict(dict[str, int]):
-    def get(self, *args: Any) -> Any:  # type: ignore[override]
+    def get(self, *args: Any) -> Any:
         raise AssertionError("a dict is read as a dict")
 
     def __getitem__(self, key: str) -> int:

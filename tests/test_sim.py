@@ -35,7 +35,7 @@ from kvblocks.sim import (
 )
 from kvblocks.sim import cli as sim_cli
 from kvblocks.sim.checks import KVLedger, Writer
-from kvblocks.sim.scheduler import Series
+from kvblocks.sim.results import Series
 from kvblocks.sim.workload import (
     RequestSpec,
     WorkloadParams,

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, SupportsIndex, final
 from typing_extensions import Self, disjoint_base
 
 from kvblocks.events import KVCacheEvent as _KVCacheEvent
-from kvblocks.reference.hashing import ExtraKeys as _ExtraKeys
+from kvblocks.extra_keys import ExtraKeys as _ExtraKeys
 from kvblocks.reference.hashing import HashableRequest as _HashableRequest
 from kvblocks.reference.kv_cache_manager import RequestLike as _ManagedRequest
 from kvblocks.reference.scheduler import BlockTableSource as _BlockTableSource

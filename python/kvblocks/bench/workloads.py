@@ -16,9 +16,9 @@ from types import ModuleType
 from typing import Any
 
 from kvblocks.bench import vllm_runner
-from kvblocks.reference.hashing import HASH_FUNCTIONS
+from kvblocks.constants import HASH_ALGORITHMS
 
-__all__ = ["ALGOS", "Workload", "WorkloadSpec", "all_workloads", "churn_loop"]
+__all__ = ["Workload", "WorkloadSpec", "all_workloads", "churn_loop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,8 +534,6 @@ def rollback_manager(num_requests: int = 1_024, blocks_per_request: int = 2_048)
 
 # --------------------------------------------------------------------------- registry
 
-ALGOS = tuple(HASH_FUNCTIONS)
-
 
 def _importable(module: str) -> bool:
     """Whether an optional dependency (``numpy``, ``msgspec``) is installed."""
@@ -618,7 +616,10 @@ def all_workloads(quick: bool = False) -> list[WorkloadSpec]:
     if native_input != "numpy":
         vias.remove("request_numpy")
     for via in vias:
-        out += [_spec(f"{_HASH_VIAS[via][0]}_{algo}", hashing, algo, via=via) for algo in ALGOS]
+        out += [
+            _spec(f"{_HASH_VIAS[via][0]}_{algo}", hashing, algo, via=via)
+            for algo in HASH_ALGORITHMS
+        ]
     inputs = [native_input, "lists"] if native_input == "numpy" else [native_input]
     out.append(_spec(f"rollback_1000_{native_input}", rollback, 1_000, native_input))
     out += [_spec(f"rollback_10000_{i}", rollback, 10_000, i) for i in inputs]

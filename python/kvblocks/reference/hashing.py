@@ -42,6 +42,8 @@ from typing import Any, Protocol, SupportsIndex, TypeAlias
 import cbor2
 import xxhash as _xxhash
 
+from kvblocks.constants import HASH_ALGORITHMS
+from kvblocks.extra_keys import ExtraKeys, generate_block_hash_extra_keys
 from kvblocks.reference.kv_cache_utils import INT64_MAX, INT64_MIN, to_int
 
 __all__ = [
@@ -63,8 +65,6 @@ __all__ = [
     "xxhash_cbor",
 ]
 
-#: An extra-key value: ``None``, an int, a str, bytes, or a tuple of extra-key values.
-ExtraKeys: TypeAlias = "str | int | bytes | tuple[ExtraKeys, ...] | None"
 
 #: A hash function: serialises a value and digests it.
 HashFunction: TypeAlias = Callable[[object], bytes]
@@ -161,7 +161,7 @@ def get_hash_fn_by_name(name: object) -> HashFunction:
         return HASH_FUNCTIONS[name]
     raise ValueError(
         f"unknown hash algorithm {name!r}; expected one of "
-        "'sha256', 'sha256_cbor', 'xxhash', 'xxhash_cbor'"
+        + ", ".join(repr(algo) for algo in HASH_ALGORITHMS)
     )
 
 
@@ -282,94 +282,6 @@ class HashableRequest(Protocol):
     def block_hashes(self) -> Sequence[bytes]:
         """The hashes of the full blocks hashed so far."""
         ...
-
-
-def _gen_lora_extra_hash_keys(request: object) -> list[ExtraKeys]:
-    """vLLM 0.33.0: ``("lora", name, path)`` on every block of a LoRA request."""
-    lora_request: Any = getattr(request, "lora_request", None)
-    if not lora_request:
-        return []
-    return [("lora", lora_request.lora_name, lora_request.lora_path)]
-
-
-def _gen_mm_extra_hash_keys(
-    request: object, start_token_idx: int, end_token_idx: int, start_mm_idx: int
-) -> tuple[list[ExtraKeys], int]:
-    """vLLM 0.33.0's walk over the multimodal items overlapping a block.
-
-    Each overlapping item adds ``("mm", identifier, offset - start_token_idx)``; the
-    offset is negative when the item began in an earlier block.
-
-    Args:
-        request: The request (reads ``mm_features``, sorted by offset).
-        start_token_idx: First token of the block.
-        end_token_idx: One past the last token of the block.
-        start_mm_idx: The item to start from; ``-1`` means the last one (used once
-            hashing starts past block 0, when only the last item can still overlap).
-
-    Returns:
-        The keys and the item index to start the next block from.
-    """
-    extra_keys: list[ExtraKeys] = []
-    mm_features: Sequence[Any] = getattr(request, "mm_features", None) or ()
-    if not mm_features:
-        return extra_keys, start_mm_idx
-
-    # Past the end of the last item: nothing can overlap (late prefill, decode).
-    last_pos = mm_features[-1].mm_position
-    if last_pos.offset + last_pos.length <= start_token_idx:
-        return extra_keys, start_mm_idx
-
-    if start_mm_idx < 0:
-        start_mm_idx = len(mm_features) + start_mm_idx
-
-    curr_mm_idx = start_mm_idx
-    while curr_mm_idx < len(mm_features):
-        mm_feature = mm_features[curr_mm_idx]
-        offset = mm_feature.mm_position.offset
-        length = mm_feature.mm_position.length
-        if end_token_idx <= offset:
-            # The block has not reached this item.
-            break
-        if start_token_idx >= offset + length:
-            # The block is past this item.
-            curr_mm_idx += 1
-            continue
-        extra_keys.append(("mm", mm_feature.identifier, offset - start_token_idx))
-        if end_token_idx >= offset + length:
-            # The item ends here; the next one may start in this block too.
-            curr_mm_idx += 1
-        else:
-            break
-    return extra_keys, curr_mm_idx
-
-
-def generate_block_hash_extra_keys(
-    request: object, start_token_idx: int, end_token_idx: int, start_mm_idx: int
-) -> tuple[tuple[ExtraKeys, ...] | None, int]:
-    """The extra keys of one block, tagged as vLLM 0.33.0 tags them.
-
-    Order: LoRA, multimodal, then ``("cache_salt", salt)`` on the block starting at
-    token 0 when the salt is truthy.
-
-    Args:
-        request: The request.
-        start_token_idx: First token of the block.
-        end_token_idx: One past the last token of the block.
-        start_mm_idx: Where the multimodal walk starts (see ``_gen_mm_extra_hash_keys``).
-
-    Returns:
-        The keys (``None`` when there are none) and the next multimodal index.
-    """
-    mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
-        request, start_token_idx, end_token_idx, start_mm_idx
-    )
-    cache_salt = getattr(request, "cache_salt", None)
-    salt_keys: list[ExtraKeys] = (
-        [("cache_salt", cache_salt)] if start_token_idx == 0 and cache_salt else []
-    )
-    extra_keys = _gen_lora_extra_hash_keys(request) + mm_keys + salt_keys
-    return (tuple(extra_keys) if extra_keys else None), next_mm_idx
 
 
 @dataclass(frozen=True, slots=True)

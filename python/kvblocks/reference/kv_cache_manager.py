@@ -19,11 +19,11 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvblocks.constants import cdiv
 from kvblocks.errors import BlockStateError
 from kvblocks.reference.block_pool import BlockPool
 from kvblocks.reference.kv_cache_utils import (
     PrefixCacheStats,
-    cdiv,
     check_block_hash,
     check_block_ids,
     check_non_negative,

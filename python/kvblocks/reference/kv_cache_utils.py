@@ -27,7 +27,6 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "PrefixCacheStats",
-    "cdiv",
     "check_block_hash",
     "check_block_ids",
     "check_group_id",
@@ -59,11 +58,6 @@ _ALL = slice(None)
 
 #: A prefix-cache key: the block hash and the KV cache group it was cached for.
 BlockHashKey = tuple[bytes, int]
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division, ``-(a // -b)`` as vLLM's ``cdiv``."""
-    return -(a // -b)
 
 
 # --------------------------------------------------------------------------- validation

@@ -38,9 +38,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, SupportsIndex
 
+from kvblocks.constants import LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv
 from kvblocks.errors import UnsupportedLayoutError
 from kvblocks.reference.kv_cache_utils import (
-    cdiv,
     check_non_negative,
     check_positive,
     materialise,
@@ -70,10 +70,6 @@ MULTIPLE_GROUPS_MESSAGE = (
     "supported for models with multiple KV cache groups. Connectors must report failed "
     "requests via KVConnectorTransferResults.failed_recving instead."
 )
-
-#: The rollback modes and load-failure policies the entry points take.
-MODES = ("vllm", "strict")
-POLICIES = ("fail", "recompute")
 
 
 class RequestLike(Protocol):
@@ -583,13 +579,13 @@ def _check_single_group(kv_cache_manager: object) -> None:
 
 def _check_mode(mode: str) -> bool:
     """Validates ``mode``; returns whether it is strict."""
-    if mode not in MODES:
+    if mode not in ROLLBACK_MODES:
         raise ValueError(f"mode must be 'vllm' or 'strict', got {mode!r}")
     return mode == "strict"
 
 
 def _check_policy(policy: str) -> bool:
     """Validates ``policy``; returns whether it is ``recompute``."""
-    if policy not in POLICIES:
+    if policy not in LOAD_FAILURE_POLICIES:
         raise ValueError(f"policy must be 'fail' or 'recompute', got {policy!r}")
     return policy == "recompute"

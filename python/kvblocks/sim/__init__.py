@@ -28,9 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from types import ModuleType
 
-from kvblocks.sim.checks import CheckError, ExtraCheck
+from kvblocks.sim.checks import CheckError
 from kvblocks.sim.config import SimConfig
-from kvblocks.sim.scheduler import SimResult, Simulator, StepRecord, Summary
+from kvblocks.sim.results import SimResult, StepRecord, Summary
+from kvblocks.sim.scheduler import ExtraCheck, Simulator
 from kvblocks.sim.workload import WORKLOADS
 
 __all__ = [

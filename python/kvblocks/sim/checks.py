@@ -28,8 +28,8 @@ after every step with ``--check`` (``SimConfig.check``, always on in the tests):
   own first invalid block); under ``fail``, from the invalid block a request truncated
   at, no block of its table is still hashed (strict mode: from its first invalid
   block). In vLLM mode a request whose invalid blocks were all marked by an earlier
-  request keeps its own later blocks hashed, as vLLM does (behaviour notes 5.10, caveat
-  1): those blocks are counted (``shared_tail_hashed``), not failed. Under
+  request keeps its own later blocks hashed, as vLLM does (it skips a block already
+  marked): those blocks are counted (``shared_tail_hashed``), not failed. Under
   ``recompute`` nothing fails and nothing is evicted;
 * after ``handle_invalid_blocks`` in strict mode: no request's tokens still counted as
   computed from before the step cover an invalid block;
@@ -47,21 +47,20 @@ accepted output read stale KV and no stale block is left in the prefix cache.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
+from kvblocks.constants import cdiv
 from kvblocks.errors import InvariantError
-from kvblocks.reference.kv_cache_utils import cdiv
-
-if TYPE_CHECKING:
-    from kvblocks.sim.scheduler import SimRequest, Simulator
+from kvblocks.sim.config import SimConfig
+from kvblocks.sim.state import Counters, SimRequest
 
 __all__ = [
     "FULL_SWEEP_EVERY",
     "CheckError",
+    "CheckedSimulator",
     "Checker",
-    "ExtraCheck",
     "InvalidBlocksContext",
     "KVLedger",
     "Writer",
@@ -70,10 +69,6 @@ __all__ = [
 #: Every block's ref count and hash are checked this often (in steps); the blocks a step
 #: may have changed are checked after every step.
 FULL_SWEEP_EVERY = 32
-
-#: A caller-supplied check: called with the simulator after every step; raises
-#: :class:`CheckError` (or any exception, reported as a failure) to fail the run.
-ExtraCheck = Callable[["Simulator"], None]
 
 
 class CheckError(AssertionError):
@@ -283,21 +278,90 @@ class InvalidBlocksContext:
     outcome: Any = None
 
 
-class Checker:
+class CheckedSimulator(Protocol):
+    """What :class:`Checker` reads of a simulator (:class:`~kvblocks.sim.Simulator` fits).
+
+    ``pool`` and ``manager`` are the backend's ``BlockPool`` and ``KVCacheManager``.
+    """
+
+    @property
+    def step(self) -> int:
+        """The step just run (the one a failed check names)."""
+        ...
+
+    @property
+    def config(self) -> SimConfig:
+        """The run's configuration."""
+        ...
+
+    @property
+    def pool(self) -> Any:
+        """The manager's block pool."""
+        ...
+
+    @property
+    def manager(self) -> Any:
+        """The KV cache manager."""
+        ...
+
+    @property
+    def ledger(self) -> KVLedger:
+        """What each block holds."""
+        ...
+
+    @property
+    def counters(self) -> Counters:
+        """The running totals."""
+        ...
+
+    @property
+    def requests(self) -> Mapping[str, SimRequest]:
+        """The requests not yet final (and failed ones still holding blocks)."""
+        ...
+
+    @property
+    def recorded_stats(self) -> tuple[int, int, int]:
+        """``(requests, queries, hits)`` recorded with the manager in this step."""
+        ...
+
+    @property
+    def last_stats_delta(self) -> tuple[int, int, int]:
+        """The manager's ``make_prefix_cache_stats()`` of this step, as a tuple."""
+        ...
+
+    def holders(self) -> list[SimRequest]:
+        """The requests whose tables hold blocks."""
+        ...
+
+    def stale_hashed_blocks(self) -> int:
+        """Stale blocks that are in the prefix cache now."""
+        ...
+
+
+#: The simulator type a :class:`Checker` checks, and its extra checks are called with.
+SimT = TypeVar("SimT", bound=CheckedSimulator)
+
+
+class Checker(Generic[SimT]):
     """Runs the checks of the module docstring against one simulator.
 
     Args:
-        extra_checks: Callables run after the built-in checks of every step.
+        extra_checks: Callables run after the built-in checks of every step, with the
+            simulator; each raises :class:`CheckError` (or any exception, reported as a
+            failure) to fail the run.
     """
 
-    __slots__ = ("extra_checks", "num_checks", "shared_tail_hashed")
+    __slots__ = ("_previous_counters", "extra_checks", "num_checks", "shared_tail_hashed")
 
-    def __init__(self, extra_checks: Sequence[ExtraCheck] = ()) -> None:
+    def __init__(self, extra_checks: Sequence[Callable[[SimT], None]] = ()) -> None:
         self.extra_checks = tuple(extra_checks)
         #: Checks passed so far.
         self.num_checks = 0
-        #: vLLM-mode only: blocks left hashed behind a shared invalid block (see 5.10).
+        #: vLLM-mode only: blocks left hashed behind an invalid block an earlier request
+        #: had marked.
         self.shared_tail_hashed = 0
+        #: The simulator's counters at the previous step (all start at 0).
+        self._previous_counters = Counters().as_tuple()
 
     # ------------------------------------------------------------------ helpers
 
@@ -310,7 +374,7 @@ class Checker:
 
     # ------------------------------------------------------------------ failure handling
 
-    def after_invalid_blocks(self, sim: Simulator, ctx: InvalidBlocksContext) -> None:
+    def after_invalid_blocks(self, sim: SimT, ctx: InvalidBlocksContext) -> None:
         """Checks one ``handle_invalid_blocks`` call (policy and mode specific)."""
         step, mode, policy = sim.step, sim.config.mode, sim.config.policy
         size = sim.config.block_size
@@ -366,8 +430,8 @@ class Checker:
                         "are still hashed",
                     )
                 # In vLLM mode a request skips invalid blocks an earlier request marked,
-                # so its own later blocks may stay hashed (behaviour notes 5.10, caveat
-                # 1); strict mode truncates at the first one, so nothing may be left.
+                # so its own later blocks may stay hashed; strict mode truncates at
+                # the first one, so nothing may be left.
                 tail = self._hashed(pool, s.table[hit[0] :])
                 if tail and mode == "strict":
                     raise CheckError(
@@ -392,7 +456,7 @@ class Checker:
 
     def after_step(
         self,
-        sim: Simulator,
+        sim: SimT,
         freed: Sequence[str],
         problems: Sequence[str],
         dirty: set[int],
@@ -469,7 +533,7 @@ class Checker:
 
     @staticmethod
     def _sweep(
-        sim: Simulator,
+        sim: CheckedSimulator,
         step: int,
         block_ids: Iterable[int],
         held: Counter[int],
@@ -503,7 +567,7 @@ class Checker:
                     step, "prefix map", f"block {block_id} of an in-flight async load is hashed"
                 )
 
-    def _check_stats(self, sim: Simulator) -> None:
+    def _check_stats(self, sim: SimT) -> None:
         delta = sim.last_stats_delta
         if min(delta) < 0:
             raise CheckError(sim.step, "stats", f"negative prefix-cache stats delta {delta}")
@@ -513,18 +577,16 @@ class Checker:
                 sim.step, "stats", f"prefix-cache stats delta {delta}, recorded {expected}"
             )
 
-    @staticmethod
-    def _check_counters(sim: Simulator) -> None:
+    def _check_counters(self, sim: SimT) -> None:
         now = sim.counters.as_tuple()
-        if any(n < p for n, p in zip(now, sim.previous_counters, strict=True)):
-            raise CheckError(
-                sim.step, "counters", f"a counter decreased: {sim.previous_counters} -> {now}"
-            )
-        sim.previous_counters = now
+        previous = self._previous_counters
+        if any(n < p for n, p in zip(now, previous, strict=True)):
+            raise CheckError(sim.step, "counters", f"a counter decreased: {previous} -> {now}")
+        self._previous_counters = now
 
     # ------------------------------------------------------------------ end of run
 
-    def final(self, sim: Simulator) -> None:
+    def final(self, sim: SimT) -> None:
         """The end-of-run checks."""
         step = -1
         pool = sim.pool

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from kvblocks import BACKEND_MODULES, load_backend
+from kvblocks.constants import HASH_ALGORITHMS, LOAD_FAILURE_POLICIES, ROLLBACK_MODES
 from kvblocks.sim import first_trace_difference, run
-from kvblocks.sim.checks import ExtraCheck
-from kvblocks.sim.config import HASH_ALGOS, MODES, POLICIES, SimConfig
+from kvblocks.sim.config import SimConfig
 from kvblocks.sim.report import Progress, summary_table, write_outputs
-from kvblocks.sim.scheduler import SimResult
+from kvblocks.sim.results import SimResult
+from kvblocks.sim.scheduler import ExtraCheck
 from kvblocks.sim.workload import WORKLOADS
 
 __all__ = ["add_parser", "main"]
@@ -65,12 +66,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--policy",
-        choices=POLICIES,
+        choices=LOAD_FAILURE_POLICIES,
         default=_DEFAULTS.policy,
         help="kv_load_failure_policy (default %(default)s)",
     )
     parser.add_argument(
-        "--mode", choices=MODES, default=_DEFAULTS.mode, help="rollback mode (default %(default)s)"
+        "--mode",
+        choices=ROLLBACK_MODES,
+        default=_DEFAULTS.mode,
+        help="rollback mode (default %(default)s)",
     )
     parser.add_argument(
         "--seed",
@@ -152,7 +156,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hash-algo",
-        choices=HASH_ALGOS,
+        choices=HASH_ALGORITHMS,
         default=_DEFAULTS.hash_algo,
         help="block hash function (default %(default)s)",
     )

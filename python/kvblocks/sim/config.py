@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvblocks.reference.hashing import HASH_FUNCTIONS
-from kvblocks.reference.kv_cache_utils import cdiv
-from kvblocks.reference.scheduler import MODES, POLICIES
+from kvblocks.constants import HASH_ALGORITHMS, LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv
 from kvblocks.sim.workload import WORKLOADS, WorkloadParams
 
-__all__ = ["HASH_ALGOS", "MODES", "POLICIES", "SimConfig"]
-
-#: ``--hash-algo``: the block hash functions ``BlockHasher`` knows.
-HASH_ALGOS = tuple(HASH_FUNCTIONS)
+__all__ = ["SimConfig"]
 
 #: Prompt tokens are capped this far below ``max_model_len`` (outputs are at most 64).
 _OUTPUT_HEADROOM = 128
@@ -79,13 +74,13 @@ class SimConfig:
             raise ValueError(
                 f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}"
             )
-        if self.policy not in POLICIES:
+        if self.policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"policy must be 'fail' or 'recompute', got {self.policy!r}")
-        if self.mode not in MODES:
+        if self.mode not in ROLLBACK_MODES:
             raise ValueError(f"mode must be 'vllm' or 'strict', got {self.mode!r}")
-        if self.hash_algo not in HASH_ALGOS:
+        if self.hash_algo not in HASH_ALGORITHMS:
             raise ValueError(
-                f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+                f"hash_algo must be one of {', '.join(HASH_ALGORITHMS)}, got {self.hash_algo!r}"
             )
         if self.num_requests < 0:
             raise ValueError(f"num_requests must be non-negative, got {self.num_requests}")

@@ -9,14 +9,14 @@ It plays the part of vLLM's ``KVConnectorBase_V1`` on both sides:
   ``invalid_block_ids`` (block-level failures), ``failed_recving`` (request-level
   failures) and ``finished_recving`` (async loads done, failed or not).
 
-The reporting contract is vLLM's (behaviour notes 5.2): a sync load's failed blocks are
-reported in the step that consumes it (its admission step); an async load's failed
-blocks in any step up to and including the one that reports it finished; a request
-whose async load fails as a whole appears in ``failed_recving`` and in
-``finished_recving`` of the same step. Each externally loaded block fails independently
-with probability ``failure_rate``; each async load fails as a whole with probability
-``request_failure_rate``. All draws come from a generator seeded with the request id and
-the attempt number, so they do not depend on scheduling order.
+The reporting contract is vLLM's: a sync load's failed blocks are reported in the
+step that consumes it (its admission step); an async load's failed blocks in any step
+up to and including the one that reports it finished; a request whose async load fails
+as a whole appears in ``failed_recving`` and in ``finished_recving`` of the same step.
+Each externally loaded block fails independently with probability ``failure_rate``;
+each async load fails as a whole with probability ``request_failure_rate``. All draws
+come from a generator seeded with the request id and the attempt number, so they do not
+depend on scheduling order.
 """
 
 from __future__ import annotations

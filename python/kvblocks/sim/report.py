@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvblocks._output import format_seconds, headless_pyplot, progress_bar
-from kvblocks.sim.scheduler import HIT_RATE_WINDOW
+from kvblocks.sim.results import HIT_RATE_WINDOW
 
 if TYPE_CHECKING:
-    from kvblocks.sim.scheduler import SimResult, Simulator, StepRecord, Summary
+    from kvblocks.sim.results import SimResult, StepRecord, Summary
+    from kvblocks.sim.scheduler import Simulator
 
 __all__ = ["Progress", "summary_table", "trace_lines", "write_outputs"]
 

@@ -1,7 +1,7 @@
 """The simulated engine: a vLLM-0.33-style scheduler loop over one KV cache manager.
 
-Each step does what vLLM's ``Scheduler.schedule()`` then ``update_from_output()`` do
-(behaviour notes 5.2, 5.3, 5.6, 5.7), on a single KV cache group:
+Each step does what vLLM's ``Scheduler.schedule()`` then ``update_from_output()`` do,
+on a single KV cache group:
 
 1. **Running loop.** Every running request gets ``num_tokens - num_computed_tokens``
    tokens, capped by the step's token budget (chunked prefill). When
@@ -34,339 +34,29 @@ the pool), the last such request is preempted ("stall preemption").
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from kvblocks.constants import cdiv
 from kvblocks.errors import KVBlocksError
-from kvblocks.reference.kv_cache_utils import cdiv
-from kvblocks.sim.checks import (
-    Checker,
-    CheckError,
-    ExtraCheck,
-    InvalidBlocksContext,
-    KVLedger,
-    Writer,
-)
+from kvblocks.sim.checks import Checker, CheckError, InvalidBlocksContext, KVLedger, Writer
 from kvblocks.sim.config import SimConfig
 from kvblocks.sim.connector import Connector, ConnectorOutput, ExternalLoad
+from kvblocks.sim.results import Series, SimResult, StepRecord, Summary
+from kvblocks.sim.state import Counters, SimRequest, Status
 from kvblocks.sim.workload import RequestSpec, iter_requests, output_token_id, prompt_token_ids
 
-__all__ = [
-    "Counters",
-    "Series",
-    "SimRequest",
-    "SimResult",
-    "Simulator",
-    "Status",
-    "StepRecord",
-    "Summary",
-]
+__all__ = ["ExtraCheck", "Simulator"]
 
-
-#: The hit rate of the time series covers the lookups of this many steps.
-HIT_RATE_WINDOW = 32
-
-
-class Status(enum.Enum):
-    """A request's state (vLLM's ``RequestStatus``, the ones a simulation reaches)."""
-
-    WAITING = "waiting"
-    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-    FAILED = "failed"  # vLLM's FINISHED_ERROR
-
-
-@dataclass(slots=True, eq=False)
-class SimRequest:
-    """A request inside the simulator.
-
-    Attributes:
-        spec: Its workload entry.
-        req: The backend's ``Request`` (tokens, block hashes, ``num_computed_tokens``).
-        status: Where it is.
-        table: The block table the simulator expects the manager to hold for it.
-        num_output: Output tokens accepted so far.
-        num_preemptions: Times it was preempted.
-        load: Its async load, while one is in flight or not yet processed.
-        free_delayed: Failed while its transfer was in flight: its blocks are freed
-            when the connector reports it finished.
-        stale_output: Some accepted output of it was computed over stale KV.
-    """
-
-    spec: RequestSpec
-    req: Any
-    status: Status = Status.WAITING
-    table: list[int] = field(default_factory=list)
-    num_output: int = 0
-    num_preemptions: int = 0
-    load: ExternalLoad | None = None
-    free_delayed: bool = False
-    stale_output: bool = False
-
-    def load_in_flight(self) -> bool:
-        """Whether it holds async-loaded blocks not yet cached (they must be unhashed)."""
-        return self.load is not None and (
-            self.status is Status.WAITING_FOR_REMOTE_KVS or self.free_delayed
-        )
-
-
-@dataclass(slots=True)
-class Counters:
-    """Running totals of a simulation; none ever decreases."""
-
-    arrived: int = 0
-    admissions: int = 0
-    finished: int = 0
-    failed: int = 0
-    rescheduled: int = 0
-    retried: int = 0
-    preemptions: int = 0
-    stall_preemptions: int = 0
-    tokens_scheduled: int = 0
-    tokens_rolled_back: int = 0
-    sync_loads: int = 0
-    async_loads: int = 0
-    external_tokens: int = 0
-    external_blocks: int = 0
-    invalid_blocks_reported: int = 0
-    request_load_failures: int = 0
-    evicted_blocks: int = 0
-    prefix_requests: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    stale_outputs: int = 0
-    stale_reads: int = 0
-
-    def as_tuple(self) -> tuple[int, ...]:
-        """All counters, in field order."""
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One step of a trace; two backends must produce equal records.
-
-    Attributes:
-        step: The step number.
-        scheduled: ``(request id, tokens)`` in scheduling order.
-        admitted: Requests admitted to running.
-        async_started: Requests that started an async load.
-        preempted: Requests preempted.
-        finished: Requests finished normally.
-        failed: Requests finished with an error.
-        rescheduled: Running requests rolled back for recomputation.
-        retried: Async loads to be retried.
-        invalid_block_ids: The connector's invalid blocks of the step.
-        evicted_block_ids: Blocks evicted by the failure handling.
-        num_free_blocks: Free blocks at the end of the step.
-        state_digest: SHA-256 of the free queue and every block table (hex, 16 chars).
-    """
-
-    step: int
-    scheduled: tuple[tuple[str, int], ...]
-    admitted: tuple[str, ...]
-    async_started: tuple[str, ...]
-    preempted: tuple[str, ...]
-    finished: tuple[str, ...]
-    failed: tuple[str, ...]
-    rescheduled: tuple[str, ...]
-    retried: tuple[str, ...]
-    invalid_block_ids: tuple[int, ...]
-    evicted_block_ids: tuple[int, ...]
-    num_free_blocks: int
-    state_digest: str
-
-
-class Series:
-    """Usage and hit rate over time, decimated to at most ``max_points`` points.
-
-    The hit rate is the prefix-cache hit rate of the lookups of the last
-    :data:`HIT_RATE_WINDOW` steps. When full, every other point is dropped and the
-    sampling stride doubles, so memory stays bounded however long the run.
-    """
-
-    __slots__ = (
-        "_stride",
-        "_window",
-        "_window_hits",
-        "_window_queries",
-        "hit_rate",
-        "max_points",
-        "running",
-        "steps",
-        "usage",
-        "waiting",
-    )
-
-    def __init__(self, max_points: int = 2048) -> None:
-        self.max_points = max_points
-        self._stride = 1
-        self._window: deque[tuple[int, int]] = deque()
-        self._window_queries = 0
-        self._window_hits = 0
-        self.steps: list[int] = []
-        self.usage: list[float] = []
-        self.hit_rate: list[float] = []
-        self.running: list[int] = []
-        self.waiting: list[int] = []
-
-    def add(
-        self, step: int, *, usage: float, queries: int, hits: int, running: int, waiting: int
-    ) -> None:
-        """Records a step (kept if it falls on the current stride).
-
-        Args:
-            step: The step.
-            usage: Pool usage after scheduling.
-            queries: Prefix-cache lookup tokens of the step.
-            hits: Prefix-cache hit tokens of the step.
-            running: Running requests.
-            waiting: Waiting requests.
-        """
-        self._window.append((queries, hits))
-        self._window_queries += queries
-        self._window_hits += hits
-        if len(self._window) > HIT_RATE_WINDOW:
-            old_queries, old_hits = self._window.popleft()
-            self._window_queries -= old_queries
-            self._window_hits -= old_hits
-        if step % self._stride:
-            return
-        self.steps.append(step)
-        self.usage.append(usage)
-        self.hit_rate.append(
-            self._window_hits / self._window_queries if self._window_queries else 0.0
-        )
-        self.running.append(running)
-        self.waiting.append(waiting)
-        if len(self.steps) >= self.max_points:
-            self._stride *= 2
-            keep = [s % self._stride == 0 for s in self.steps]
-            for ints in (self.steps, self.running, self.waiting):
-                ints[:] = [v for k, v in zip(keep, ints, strict=True) if k]
-            for floats in (self.usage, self.hit_rate):
-                floats[:] = [v for k, v in zip(keep, floats, strict=True) if k]
-
-    def as_dict(self) -> dict[str, list[Any]]:
-        """The columns, for JSON."""
-        return {
-            "step": self.steps,
-            "usage": self.usage,
-            "hit_rate": self.hit_rate,
-            "running": self.running,
-            "waiting": self.waiting,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """The outcome of one run on one backend.
-
-    Attributes:
-        backend: ``"rust"`` or ``"python"`` (or the module name).
-        requests: Requests in the workload.
-        finished: Finished normally.
-        failed: Finished with an error (``fail`` policy).
-        rescheduled: Times a running request was rolled back and recomputed.
-        retried: Times an async load was retried (``recompute`` policy).
-        preemptions: Requests preempted for lack of blocks (stall preemptions included).
-        stall_preemptions: Preemptions of waiting requests to break a stall.
-        steps: Scheduler steps executed (idle steps skipped).
-        tokens_scheduled: Tokens computed by the forward passes.
-        tokens_rolled_back: ``total_affected_tokens`` summed over the failure handling:
-            tokens recomputed under ``recompute``, lost with the failed requests under
-            ``fail``.
-        sync_loads: Synchronous connector loads.
-        async_loads: Asynchronous connector loads.
-        external_tokens: Tokens the connector loaded (or tried to).
-        external_blocks: Blocks the connector loaded into.
-        invalid_blocks_reported: Block-level failures reported.
-        request_load_failures: Requests whose async load failed as a whole.
-        evicted_blocks: Blocks evicted by the failure handling.
-        prefix_queries: Prefix-cache lookup tokens (the manager's stats).
-        prefix_hits: Tokens found in the prefix cache (the manager's stats).
-        hit_rate: ``prefix_hits / prefix_queries``.
-        peak_usage: Highest pool usage, after scheduling.
-        final_usage: Pool usage at the end.
-        final_free_blocks: Free blocks at the end.
-        stale_outputs: Requests with an accepted output computed over stale KV.
-        stale_reads: Accepted step outputs computed over stale KV.
-        stale_hashed_blocks: Stale blocks left in the prefix cache at the end.
-        shared_tail_hashed: vLLM mode, ``fail``: blocks left hashed after a shared
-            invalid block (behaviour notes 5.10, caveat 1).
-        mean_step_s: Mean scheduler-side time per step (schedule and output handling,
-            library calls included; workload, ledger and checks excluded).
-        check_s: Time spent in checks.
-        wall_s: Wall time of the run.
-        checks_passed: Checks run and passed.
-    """
-
-    backend: str
-    requests: int
-    finished: int
-    failed: int
-    rescheduled: int
-    retried: int
-    preemptions: int
-    stall_preemptions: int
-    steps: int
-    tokens_scheduled: int
-    tokens_rolled_back: int
-    sync_loads: int
-    async_loads: int
-    external_tokens: int
-    external_blocks: int
-    invalid_blocks_reported: int
-    request_load_failures: int
-    evicted_blocks: int
-    prefix_queries: int
-    prefix_hits: int
-    hit_rate: float
-    peak_usage: float
-    final_usage: float
-    final_free_blocks: int
-    stale_outputs: int
-    stale_reads: int
-    stale_hashed_blocks: int
-    shared_tail_hashed: int
-    mean_step_s: float
-    check_s: float
-    wall_s: float
-    checks_passed: int
-
-
-@dataclass(slots=True)
-class SimResult:
-    """Everything a run produced.
-
-    Attributes:
-        config: The configuration.
-        summary: The totals.
-        series: Usage and hit rate over time.
-        failure: The first failed check, or ``None``.
-        trace: The step records, when asked for.
-        final_block_hashes: Each finished request's block hashes, when asked for.
-    """
-
-    config: SimConfig
-    summary: Summary
-    series: Series
-    failure: CheckError | None
-    trace: list[StepRecord] | None
-    final_block_hashes: dict[str, list[bytes]] | None
-
-    @property
-    def ok(self) -> bool:
-        """Whether every check passed."""
-        return self.failure is None
+#: A caller-supplied check: called with the simulator after every step; raises
+#: :class:`~kvblocks.sim.checks.CheckError` (or any exception, reported as a failure) to
+#: fail the run.
+ExtraCheck = Callable[["Simulator"], None]
 
 
 @dataclass(slots=True)
@@ -446,7 +136,7 @@ class Simulator:
             max_latency=config.max_load_latency,
         )
         self.ledger = KVLedger(config.block_size)
-        self.checker = Checker(extra_checks)
+        self.checker: Checker[Simulator] = Checker(extra_checks)
         self.step = 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -456,8 +146,6 @@ class Simulator:
         #: Async loads that failed and are retried from their valid prefix.
         self.failed_recving_ids: set[str] = set()
         self.counters = Counters()
-        #: The counters after the previous step (for the never-decrease check).
-        self.previous_counters = self.counters.as_tuple()
         #: (requests, queries, hits) recorded with the manager in the current step.
         self.recorded_stats = (0, 0, 0)
         #: The manager's make_prefix_cache_stats() of the current step, as a tuple.
@@ -739,7 +427,7 @@ class Simulator:
         self.waiting.extendleft(reversed(skipped))
 
     def _update_waiting_for_remote_kv(self, s: SimRequest, plan: _Plan) -> None:
-        """vLLM's ``_update_waiting_for_remote_kv`` (behaviour notes 5.7)."""
+        """vLLM's ``_update_waiting_for_remote_kv``."""
         rid, r = s.spec.request_id, s.req
         self.dirty.update(s.table)
         if rid in self.failed_recving_ids:

@@ -28,7 +28,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvblocks.reference.kv_cache_utils import cdiv
+from kvblocks.constants import cdiv
 
 __all__ = [
     "VOCAB_SIZE",

@@ -22,6 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks import _native
+from kvblocks.constants import ROLLBACK_MODES
 from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
 from kvblocks.vllm.manager import KVCacheManager
 
@@ -29,9 +30,6 @@ __all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode"]
 
 # vLLM's own scheduler logger: the rollback's lines are vLLM's, word for word.
 logger = logging.getLogger(scheduler_module.__name__)
-
-#: ``KVBLOCKS_ROLLBACK_MODE`` values: vLLM's exact semantics, or kvblocks' strict mode.
-ROLLBACK_MODES = ("vllm", "strict")
 
 # One scheduler is built at a time while the module's name is swapped.
 _swap_lock = threading.Lock()
