@@ -8,8 +8,8 @@ use std::fs;
 use std::path::PathBuf;
 
 use kvblocks_core::rollback::{
-    handle_invalid_blocks, rollback_invalid_blocks, Batch, BlockIds, Mode, Policy, Rollback,
-    MULTIPLE_GROUPS_MESSAGE,
+    check_single_group, handle_invalid_blocks, rollback_invalid_blocks, Batch, BlockIds, Mode,
+    Policy, Rollback, MULTIPLE_GROUPS_MESSAGE,
 };
 use kvblocks_core::{Error, ErrorKind};
 use serde_json::Value;
@@ -205,6 +205,7 @@ fn batch<'a, B>(tables: &'a [B], computed: &'a [i64], scheduled: &'a [i64]) -> B
 }
 
 #[test]
+#[allow(clippy::too_many_lines)] // one case's whole replay: inputs, the call, every output
 fn handle_invalid_golden_vectors_replay_exactly() {
     let mut failures = Vec::new();
     let mut errors_seen = 0;
@@ -230,16 +231,17 @@ fn handle_invalid_golden_vectors_replay_exactly() {
         let policy =
             Policy::from_name(case["policy"].as_str().expect("policy")).expect("known policy");
         let expect = &case["expect"];
-
-        let result = handle_invalid_blocks(
-            batch(&w_tables, &w_computed, &w_scheduled),
-            batch(&r_tables, &r_computed, &r_scheduled),
-            &ints(&case["invalid_block_ids"]),
-            int(&case["block_size"]),
-            int(&case["num_kv_cache_groups"]),
-            policy,
-            Mode::Vllm,
-        );
+        // The group count is checked first, before anything else is read.
+        let result = check_single_group(int(&case["num_kv_cache_groups"])).and_then(|()| {
+            handle_invalid_blocks(
+                batch(&w_tables, &w_computed, &w_scheduled),
+                batch(&r_tables, &r_computed, &r_scheduled),
+                &ints(&case["invalid_block_ids"]),
+                int(&case["block_size"]),
+                policy,
+                Mode::Vllm,
+            )
+        });
         if let Some(error) = expect.get("error") {
             assert_eq!(error, "RuntimeError", "handle_invalid.jsonl:{line}");
             errors_seen += 1;

@@ -9,7 +9,8 @@
 use std::collections::HashSet;
 
 use kvblocks_core::rollback::{
-    handle_invalid_blocks, rollback_invalid_blocks, Batch, Mode, Policy, Rollback,
+    check_single_group, handle_failed_recving, handle_invalid_blocks, rollback_invalid_blocks,
+    Batch, Mode, Pass, Policy, Rollback, RollbackTarget, MULTIPLE_GROUPS_MESSAGE,
 };
 use kvblocks_core::Error;
 use proptest::prelude::*;
@@ -257,7 +258,7 @@ proptest! {
         let out = handle_invalid_blocks(
             Batch { block_tables: &w.tables, num_computed_tokens: &w.computed, num_scheduled_tokens: &w.scheduled },
             Batch { block_tables: &as_u32(&r.tables), num_computed_tokens: &r.computed, num_scheduled_tokens: &r.scheduled },
-            &w.invalid, w.block_size, 1, policy, mode,
+            &w.invalid, w.block_size, policy, mode,
         ).unwrap_or_else(|e| panic!("valid case refused: {e}"));
         let waiting = Case { collect: false, ..w.clone() }.run(&w.tables, mode);
         // The running pass collects evictions only when the outcome has any.
@@ -343,39 +344,15 @@ fn expected_error(
 }
 
 #[test]
-fn the_multi_group_error_comes_before_anything_else() {
-    let bad: [&[i64]; 1] = [&[-1]];
-    let err = handle_invalid_blocks(
-        Batch {
-            block_tables: &bad,
-            num_computed_tokens: &[-5],
-            num_scheduled_tokens: &[3],
-        },
-        Batch::<&[i64]>::default(),
-        &[-1],
-        0,
-        2,
-        Policy::Fail,
-        Mode::Vllm,
+fn more_than_one_group_is_refused_with_vllms_message() {
+    let err = check_single_group(2);
+    assert!(
+        matches!(&err, Err(Error::UnsupportedLayout(m)) if m == MULTIPLE_GROUPS_MESSAGE),
+        "{err:?}"
     );
-    assert!(matches!(err, Err(Error::UnsupportedLayout(_))), "{err:?}");
-    // One group (or the default 0 some callers report) goes on to validation.
-    let err = handle_invalid_blocks(
-        Batch::<&[i64]>::default(),
-        Batch::<&[i64]>::default(),
-        &[],
-        0,
-        0,
-        Policy::Fail,
-        Mode::Vllm,
-    );
-    assert_eq!(
-        err,
-        Err(Error::NonPositive {
-            name: "block_size",
-            value: 0
-        })
-    );
+    // One group (or the default 0 some callers report) goes on.
+    assert_eq!(check_single_group(1), Ok(()));
+    assert_eq!(check_single_group(0), Ok(()));
 }
 
 #[test]
@@ -441,4 +418,134 @@ fn a_deeper_shared_block_marked_after_truncation_does_not_truncate_later_request
         strict.unwrap().eviction_sequence(&tables),
         [10, 20, 2, 20, 4]
     );
+}
+
+/// A target recording every write, refusing evictions when told to.
+#[derive(Default)]
+struct Recorder {
+    refuse_evictions: bool,
+    log: Vec<String>,
+}
+
+impl RollbackTarget for Recorder {
+    fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<(), Error> {
+        if self.refuse_evictions {
+            return Err(Error::InvalidArgument("refused".to_owned()));
+        }
+        self.log.push(format!("evict {block_ids:?}"));
+        Ok(())
+    }
+
+    fn set_num_computed_tokens(
+        &mut self,
+        pass: Pass,
+        index: usize,
+        value: i64,
+    ) -> Result<(), Error> {
+        self.log.push(format!("{pass:?}[{index}] = {value}"));
+        Ok(())
+    }
+}
+
+fn one_waiting_one_running(
+    policy: Policy,
+) -> (
+    kvblocks_core::rollback::InvalidBlocksOutcome,
+    Vec<&'static [i64]>,
+) {
+    let waiting: [&[i64]; 1] = [&[1, 2]];
+    let running: Vec<&'static [i64]> = vec![&[3, 4, 5]];
+    let out = handle_invalid_blocks(
+        Batch {
+            block_tables: &waiting,
+            num_computed_tokens: &[8],
+            num_scheduled_tokens: &[0],
+        },
+        Batch {
+            block_tables: &running,
+            num_computed_tokens: &[12],
+            num_scheduled_tokens: &[0],
+        },
+        &[2, 4],
+        4,
+        policy,
+        Mode::Vllm,
+    )
+    .unwrap();
+    (out, running)
+}
+
+#[test]
+fn apply_evicts_first_then_writes_waiting_then_running() {
+    let (out, running) = one_waiting_one_running(Policy::Fail);
+    let mut target = Recorder::default();
+    let sequence = out.eviction_sequence(&running);
+    assert_eq!(sequence, vec![4, 5]);
+    out.apply(&sequence, &mut target).unwrap();
+    assert_eq!(
+        target.log,
+        ["evict [4, 5]", "Waiting[0] = 4", "Running[0] = 4"]
+    );
+}
+
+#[test]
+fn a_refused_eviction_writes_no_request() {
+    let (out, running) = one_waiting_one_running(Policy::Fail);
+    let mut target = Recorder {
+        refuse_evictions: true,
+        ..Recorder::default()
+    };
+    assert!(out
+        .apply(&out.eviction_sequence(&running), &mut target)
+        .is_err());
+    assert!(target.log.is_empty(), "{:?}", target.log);
+}
+
+#[test]
+fn recompute_in_vllm_mode_evicts_nothing() {
+    let (out, running) = one_waiting_one_running(Policy::Recompute);
+    let mut target = Recorder::default();
+    let sequence = out.eviction_sequence(&running);
+    assert!(sequence.is_empty());
+    out.apply(&sequence, &mut target).unwrap();
+    assert_eq!(target.log, ["Waiting[0] = 4", "Running[0] = 4"]);
+}
+
+#[test]
+fn failed_recving_matches_in_report_order_and_rewinds_under_recompute() {
+    let mut target = Recorder::default();
+    let mut reads = Vec::new();
+    let out = handle_failed_recving(
+        &["c", "x", "a", "c"],
+        &["a", "b", "c"],
+        Policy::Recompute,
+        |i| {
+            reads.push(i);
+            Ok(10 * i64::try_from(i).unwrap() + 1)
+        },
+        &mut target,
+    )
+    .unwrap();
+    // Report order, once each; unknown ids ignored; counts read for matched ones only.
+    assert_eq!(out.matched, vec![2, 0]);
+    assert_eq!(reads, vec![0, 2]);
+    assert_eq!(out.total_affected_tokens, 1 + 21);
+    assert_eq!(target.log, ["Waiting[0] = 0", "Waiting[2] = 0"]);
+}
+
+#[test]
+fn failed_recving_under_fail_writes_nothing_and_refuses_negative_counts() {
+    let mut target = Recorder::default();
+    let out = handle_failed_recving(&["a"], &["a"], Policy::Fail, |_| Ok(3), &mut target).unwrap();
+    assert_eq!((out.matched, out.total_affected_tokens), (vec![0], 3));
+    assert!(target.log.is_empty());
+    let err = handle_failed_recving(&["a"], &["a"], Policy::Recompute, |_| Ok(-1), &mut target);
+    assert_eq!(
+        err,
+        Err(Error::Negative {
+            name: "num_computed_tokens",
+            value: -1
+        })
+    );
+    assert!(target.log.is_empty(), "a refused call writes nothing");
 }

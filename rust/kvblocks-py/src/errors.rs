@@ -56,4 +56,12 @@ impl StashedError {
     pub fn take(&self) -> Option<PyErr> {
         self.0.borrow_mut().take()
     }
+
+    /// The core result, or the Python error kept meanwhile (which caused the core's).
+    pub fn finish<T>(&self, result: kvblocks_core::Result<T>) -> pyo3::PyResult<T> {
+        match self.take() {
+            Some(err) => Err(err),
+            None => result.py(),
+        }
+    }
 }

@@ -13,7 +13,7 @@
 use std::collections::HashSet;
 
 use kvblocks_core::rollback::{
-    self, Batch, BlockIds, Mode, Policy, Rollback, MULTIPLE_GROUPS_MESSAGE,
+    self, Batch, BlockIds, Mode, Pass, Policy, Rollback, RollbackTarget,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -22,7 +22,7 @@ use pyo3::types::{PyDict, PySet, PyString};
 use pyo3::Borrowed;
 
 use crate::convert::{int_column, to_list, Flag, Given, IntColumn};
-use crate::errors::{IntoPyResult, UnsupportedLayoutError};
+use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
 /// `mode="vllm" | "strict"`. Extraction never fails, so that a bad value is refused
@@ -384,18 +384,6 @@ impl<'py> RequestColumns<'py> {
             .map(ToString::to_string)
     }
 
-    /// Writes the decided counts of the affected requests.
-    fn apply(&self, result: &Rollback) -> PyResult<()> {
-        for &i in &result.affected {
-            if let (Some(request), Some(value)) =
-                (self.requests.get(i), result.num_computed_tokens.get(i))
-            {
-                request.setattr("num_computed_tokens", *value)?;
-            }
-        }
-        Ok(())
-    }
-
     /// The ids of the requests at `indices`, as the set vLLM builds: added in this order.
     fn id_set<'p>(&self, py: Python<'p>, indices: &[usize]) -> PyResult<Bound<'p, PySet>> {
         ordered_set(
@@ -405,6 +393,62 @@ impl<'py> RequestColumns<'py> {
                 .filter_map(|&i| self.ids.get(i))
                 .map(|id| &**id),
         )
+    }
+}
+
+/// The binding's one [`RollbackTarget`]: the manager the eviction goes to and the
+/// requests of both passes. Python errors are kept in `error` for the caller to raise.
+struct Target<'a, 'py> {
+    manager: &'a Bound<'py, PyAny>,
+    waiting: &'a [Bound<'py, PyAny>],
+    running: &'a [Bound<'py, PyAny>],
+    error: &'a StashedError,
+}
+
+impl Target<'_, '_> {
+    fn keep<T>(&self, result: PyResult<T>) -> kvblocks_core::Result<T> {
+        result.map_err(|err| self.error.keep(err, "writing the rollback"))
+    }
+}
+
+impl RollbackTarget for Target<'_, '_> {
+    /// Evicts in the order vLLM does: by iterating the set it built from `block_ids`,
+    /// so the removal events come out alike.
+    fn evict_blocks(&mut self, block_ids: &[i64]) -> kvblocks_core::Result<()> {
+        let evicted = (|| {
+            let to_evict = ordered_set(self.manager.py(), block_ids.iter().copied())?;
+            match self.manager.cast::<PyKVCacheManager>() {
+                Ok(native) => {
+                    let order = to_evict
+                        .iter()
+                        .map(|id| id.extract())
+                        .collect::<PyResult<Vec<i64>>>()?;
+                    native.try_borrow_mut()?.inner.evict_blocks(&order).py()?;
+                }
+                Err(_) => {
+                    self.manager.call_method1("evict_blocks", (to_evict,))?;
+                }
+            }
+            Ok(())
+        })();
+        self.keep(evicted)
+    }
+
+    fn set_num_computed_tokens(
+        &mut self,
+        pass: Pass,
+        index: usize,
+        value: i64,
+    ) -> kvblocks_core::Result<()> {
+        let requests = match pass {
+            Pass::Waiting => self.waiting,
+            Pass::Running => self.running,
+        };
+        let written = match requests.get(index) {
+            Some(request) => request.setattr("num_computed_tokens", value),
+            None => Ok(()),
+        };
+        self.keep(written)
     }
 }
 
@@ -431,9 +475,8 @@ fn fetch_tables<'m>(
     let mut tables = Vec::with_capacity(cols.ids.len());
     for id in &cols.ids {
         let groups = manager.call_method1("get_block_ids", (&**id,))?;
-        if groups.len()? != 1 {
-            return Err(UnsupportedLayoutError::new_err(MULTIPLE_GROUPS_MESSAGE));
-        }
+        // The same rule as `num_kv_cache_groups`: one group's table per request.
+        rollback::check_single_group(i64::try_from(groups.len()?).unwrap_or(i64::MAX)).py()?;
         tables.push(int_column(&groups.get_item(0)?)?);
     }
     Ok(Tables::Python(tables))
@@ -518,7 +561,15 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let sequence = result.eviction_sequence(&ids);
     drop(native);
     let to_evict = ordered_set(py, sequence.iter().copied())?;
-    cols.apply(&result)?;
+    let stash = StashedError::default();
+    let mut target = Target {
+        manager: kv_cache_manager,
+        waiting: &[],
+        running: &cols.requests,
+        error: &stash,
+    };
+    let written = result.write(Pass::Running, &mut target);
+    stash.finish(written)?;
     let affected = cols.id_set(py, &result.affected)?;
     Ok((affected, result.total_affected_tokens, to_evict))
 }
@@ -611,7 +662,6 @@ pub fn handle_invalid_blocks<'py>(
         },
         &invalid,
         block_size,
-        1,
         policy,
         mode,
     )
@@ -619,26 +669,15 @@ pub fn handle_invalid_blocks<'py>(
     let sequence = outcome.eviction_sequence(&sync_ids);
     drop(native);
 
-    // Evict first: if the manager refuses, no request has been changed yet. The ids go
-    // in the order vLLM evicts them (its set's), so the removal events come out alike.
-    let evicted = outcome.evicted_block_ids();
-    if !evicted.is_empty() {
-        let to_evict = ordered_set(py, sequence.iter().copied())?;
-        match kv_cache_manager.cast::<PyKVCacheManager>() {
-            Ok(native) => {
-                let order = to_evict
-                    .iter()
-                    .map(|id| id.extract())
-                    .collect::<PyResult<Vec<i64>>>()?;
-                native.try_borrow_mut()?.inner.evict_blocks(&order).py()?;
-            }
-            Err(_) => {
-                kv_cache_manager.call_method1("evict_blocks", (to_evict,))?;
-            }
-        }
-    }
-    waiting.apply(&outcome.waiting)?;
-    sync.apply(&outcome.running)?;
+    let stash = StashedError::default();
+    let mut target = Target {
+        manager: kv_cache_manager,
+        waiting: &waiting.requests,
+        running: &sync.requests,
+        error: &stash,
+    };
+    let applied = outcome.apply(&sequence, &mut target);
+    stash.finish(applied)?;
     Ok(PyInvalidBlocksOutcome {
         failed_waiting: waiting.ids_of(outcome.failed_waiting()).collect(),
         failed_running: sync.ids_of(outcome.failed_running()).collect(),
@@ -686,7 +725,6 @@ pub fn handle_failed_recving(
         .iter()
         .map(|id| id.extract::<PyBackedStr>())
         .collect::<PyResult<Vec<_>>>()?;
-    let failed: HashSet<&str> = reported.iter().map(|id| &**id).collect();
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
@@ -698,33 +736,32 @@ pub fn handle_failed_recving(
             return Err(appears_twice(py, id));
         }
     }
-    // Token counts are read from the matched requests only.
-    let matched: Vec<usize> = (0..ids.len())
-        .filter(|&i| failed.contains(&*ids[i]))
-        .collect();
-    let computed = matched
+    let stash = StashedError::default();
+    let reported: Vec<&str> = reported.iter().map(|id| &**id).collect();
+    let waiting_ids: Vec<&str> = ids.iter().map(|id| &**id).collect();
+    let read = |i: usize| {
+        waiting[i]
+            .getattr("num_computed_tokens")
+            .and_then(|n| n.extract::<i64>())
+            .map_err(|err| stash.keep(err, "reading num_computed_tokens"))
+    };
+    let mut target = Target {
+        manager: failed_req_ids,
+        waiting: &waiting,
+        running: &[],
+        error: &stash,
+    };
+    let decided =
+        rollback::handle_failed_recving(&reported, &waiting_ids, policy, read, &mut target);
+    let decided = stash.finish(decided)?;
+    let matched_ids: Vec<String> = decided
+        .matched
         .iter()
-        .map(|&i| waiting[i].getattr("num_computed_tokens")?.extract::<i64>())
-        .collect::<PyResult<Vec<_>>>()?;
-    let lost = rollback::failed_recving_lost_tokens(&computed).py()?;
-    // In the order they were reported, as vLLM's `_handle_failed_recving` adds them.
-    let mut matched_ids = Vec::with_capacity(matched.len());
-    let mut kept = HashSet::with_capacity(matched.len());
-    for id in &reported {
-        if seen.contains(&**id) && kept.insert(&**id) {
-            matched_ids.push(id.to_string());
-        }
-    }
-    let recompute = matches!(policy, Policy::Recompute);
-    if recompute {
-        for &i in &matched {
-            waiting[i].setattr("num_computed_tokens", 0)?;
-        }
-    }
-    let (failed_waiting, retry_req_ids) = if recompute {
-        (Vec::new(), matched_ids)
-    } else {
-        (matched_ids, Vec::new())
+        .map(|&i| waiting_ids[i].to_owned())
+        .collect();
+    let (failed_waiting, retry_req_ids) = match decided.policy {
+        Policy::Recompute => (Vec::new(), matched_ids),
+        Policy::Fail => (matched_ids, Vec::new()),
     };
     Ok(PyInvalidBlocksOutcome {
         failed_waiting,
@@ -732,6 +769,6 @@ pub fn handle_failed_recving(
         rescheduled_req_ids: Vec::new(),
         retry_req_ids,
         evicted_block_ids: Vec::new(),
-        total_affected_tokens: lost,
+        total_affected_tokens: decided.total_affected_tokens,
     })
 }
