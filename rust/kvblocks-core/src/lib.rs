@@ -19,6 +19,7 @@ pub mod events;
 pub mod free_queue;
 pub mod hashing;
 pub mod manager;
+pub mod new_blocks;
 pub mod pool;
 pub mod prefix_map;
 pub mod rollback;

@@ -19,9 +19,10 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use kvblocks_core::hashing::{
-    mm_features_in_block, py_repr, resolve_seed, too_deep_error, BlockHasher as CoreHasher,
-    HashAlgo, MmCursor, MmPosition, ObjectId, Tuple, Value, MAX_DEPTH,
+    py_repr, resolve_seed, too_deep_error, BlockHasher as CoreHasher, HashAlgo, MmPosition,
+    ObjectId, Tuple, Value, MAX_DEPTH,
 };
+use kvblocks_core::new_blocks::{block_extra_keys, new_blocks, ExtraKeySource};
 use kvblocks_core::{BlockHash, Error};
 use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
@@ -29,7 +30,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
 use crate::convert::{int_column_with, type_name, Given, IntColumn};
-use crate::errors::{to_py, IntoPyResult};
+use crate::errors::{to_py, IntoPyResult, StashedError};
 use crate::request::PyRequest;
 
 // ----------------------------------------------------------------------------- token ids
@@ -202,34 +203,153 @@ pub struct RequestPlan {
     keys: Option<Vec<Option<Value>>>,
 }
 
-/// A multimodal item visited by the walk, with its identifier read on first use.
-struct MmItem<'py> {
-    feature: Bound<'py, PyAny>,
-    identifier: Option<(Bound<'py, PyAny>, Value)>,
-}
-
 fn embeds_error() -> PyErr {
     PyTypeError::new_err(
         "requests with prompt_embeds are not supported: kvblocks hashes token ids only",
     )
 }
 
-/// `(tag, item)` with the tag literal as the interned `str` object vLLM's code uses, so
-/// an identical interned string elsewhere in the key is the same object, as in CPython.
-fn tagged_pair(
-    tag: &Bound<'_, PyString>,
-    ids: &mut Identities,
-    items: Vec<Value>,
-) -> PyResult<Value> {
-    let mut all = Vec::with_capacity(items.len() + 1);
-    all.push(Value::Str(tag.to_str()?.into(), ids.tag(tag.as_any())));
-    all.extend(items);
-    Tuple::new(all, None).map(Value::Tuple).py()
+/// A multimodal item, its identifier read and converted on first use.
+struct MmItem<'py> {
+    feature: Bound<'py, PyAny>,
+    identifier: Option<Value>,
 }
 
-/// vLLM 0.33.0's `generate_block_hash_extra_keys` for `num_blocks` blocks of
-/// `block_size` tokens from token `start`: LoRA, then multimodal items, then the cache
-/// salt on the block starting at token 0. `None` when no block has any key.
+/// The binding's one [`ExtraKeySource`]: a request's extra-key attributes, read in the
+/// reference's order (multimodal items' positions, the salt's truth, the adapter's
+/// truth, name and path) when the source is made; each key is converted when the
+/// core's walk first asks for it. Python errors are kept in `error`.
+struct PyExtraKeys<'a, 'py> {
+    positions: Vec<MmPosition>,
+    items: Vec<MmItem<'py>>,
+    salt: Option<&'a Bound<'py, PyAny>>,
+    lora: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ids: &'a mut Identities,
+    error: &'a StashedError,
+}
+
+impl<'a, 'py> PyExtraKeys<'a, 'py> {
+    fn read(
+        attrs: &'a RequestAttrs<'py>,
+        start: usize,
+        ids: &'a mut Identities,
+        error: &'a StashedError,
+    ) -> PyResult<Self> {
+        let py = attrs.lora_request.py();
+        let mut positions = Vec::new();
+        let mut items = Vec::new();
+        if attrs.mm_features.is_truthy()? {
+            for i in 0..attrs.mm_features.len()? {
+                let feature = attrs.mm_features.get_item(i)?;
+                let pos = feature.getattr(intern!(py, "mm_position"))?;
+                positions.push(MmPosition {
+                    offset: pos.getattr(intern!(py, "offset"))?.extract()?,
+                    length: pos.getattr(intern!(py, "length"))?.extract()?,
+                });
+                items.push(MmItem {
+                    feature,
+                    identifier: None,
+                });
+            }
+        }
+        let salt = (start == 0 && attrs.cache_salt.is_truthy()?).then_some(&attrs.cache_salt);
+        let lora = if attrs.lora_request.is_truthy()? {
+            let name = attrs.lora_request.getattr(intern!(py, "lora_name"))?;
+            let path = attrs.lora_request.getattr(intern!(py, "lora_path"))?;
+            Some((name, path))
+        } else {
+            None
+        };
+        Ok(Self {
+            positions,
+            items,
+            salt,
+            lora,
+            ids,
+            error,
+        })
+    }
+
+    fn keep<T>(&self, result: PyResult<T>) -> kvblocks_core::Result<T> {
+        result.map_err(|err| self.error.keep(err, "extra key conversion"))
+    }
+
+    /// `(tag, item...)` with the tag literal as the interned `str` object vLLM's code
+    /// uses, so an identical interned string elsewhere in the key is the same object.
+    /// Keys sit inside the block's tuple and their own, hence `enclosing` 2.
+    fn tagged(
+        &mut self,
+        tag: &Bound<'py, PyString>,
+        parts: &[&Bound<'py, PyAny>],
+    ) -> PyResult<Value> {
+        let mut all = Vec::with_capacity(parts.len() + 1);
+        all.push(Value::Str(tag.to_str()?.into(), self.ids.tag(tag.as_any())));
+        for part in parts {
+            all.push(extra_key(part, self.ids, 2)?);
+        }
+        Tuple::new(all, None).map(Value::Tuple).py()
+    }
+}
+
+impl ExtraKeySource for PyExtraKeys<'_, '_> {
+    fn mm_positions(&self) -> &[MmPosition] {
+        &self.positions
+    }
+
+    fn has_salt(&self) -> bool {
+        self.salt.is_some()
+    }
+
+    fn has_lora(&self) -> bool {
+        self.lora.is_some()
+    }
+
+    fn lora_key(&mut self) -> kvblocks_core::Result<Value> {
+        let Some((name, path)) = self.lora.clone() else {
+            return Ok(Value::None);
+        };
+        let key = self.tagged(intern!(name.py(), "lora"), &[&name, &path]);
+        self.keep(key)
+    }
+
+    fn mm_key(&mut self, index: usize, offset: i64) -> kvblocks_core::Result<Value> {
+        let key = (|| {
+            let Some(item) = self.items.get(index) else {
+                return Ok(Value::None);
+            };
+            let py = item.feature.py();
+            let identifier = if let Some(value) = &item.identifier {
+                value.clone()
+            } else {
+                let obj = item.feature.getattr(intern!(py, "identifier"))?;
+                let value = extra_key(&obj, self.ids, 2)?;
+                if let Some(item) = self.items.get_mut(index) {
+                    item.identifier = Some(value.clone());
+                }
+                value
+            };
+            let tag = intern!(py, "mm");
+            let all = vec![
+                Value::Str(tag.to_str()?.into(), self.ids.tag(tag.as_any())),
+                identifier,
+                Value::Int(offset),
+            ];
+            Tuple::new(all, None).map(Value::Tuple).py()
+        })();
+        self.keep(key)
+    }
+
+    fn salt_key(&mut self) -> kvblocks_core::Result<Value> {
+        let Some(salt) = self.salt else {
+            return Ok(Value::None);
+        };
+        let key = self.tagged(intern!(salt.py(), "cache_salt"), &[salt]);
+        self.keep(key)
+    }
+}
+
+/// vLLM 0.33.0's extra keys for `num_blocks` blocks of `block_size` tokens from token
+/// `start` (the rule is the core's [`block_extra_keys`]). `None` when no block has any.
 fn request_extra_keys(
     attrs: &RequestAttrs<'_>,
     start: usize,
@@ -237,99 +357,13 @@ fn request_extra_keys(
     block_size: usize,
     ids: &mut Identities,
 ) -> PyResult<Option<Vec<Option<Value>>>> {
-    let py = attrs.lora_request.py();
     if num_blocks == 0 {
         return Ok(None);
     }
-    // Read in the reference's order: multimodal items, cache salt, LoRA adapter.
-    let mut items = Vec::new();
-    let mut positions = Vec::new();
-    if attrs.mm_features.is_truthy()? {
-        for i in 0..attrs.mm_features.len()? {
-            let feature = attrs.mm_features.get_item(i)?;
-            let pos = feature.getattr(intern!(py, "mm_position"))?;
-            positions.push(MmPosition {
-                offset: pos.getattr(intern!(py, "offset"))?.extract()?,
-                length: pos.getattr(intern!(py, "length"))?.extract()?,
-            });
-            items.push(MmItem {
-                feature,
-                identifier: None,
-            });
-        }
-    }
-    let salt = (start == 0 && attrs.cache_salt.is_truthy()?).then_some(&attrs.cache_salt);
-    let lora = if attrs.lora_request.is_truthy()? {
-        let name = attrs.lora_request.getattr(intern!(py, "lora_name"))?;
-        let path = attrs.lora_request.getattr(intern!(py, "lora_path"))?;
-        Some((name, path))
-    } else {
-        None
-    };
-    if positions.is_empty() && salt.is_none() && lora.is_none() {
-        return Ok(None);
-    }
-
-    // Converted in the order the reference checks each block's keys (LoRA, multimodal,
-    // salt); the key tuples themselves are fresh objects per block, hence untagged.
-    // Keys sit inside the block's tuple and their own, hence `enclosing` 2.
-    let lora = match &lora {
-        Some((name, path)) => {
-            let items = vec![extra_key(name, ids, 2)?, extra_key(path, ids, 2)?];
-            Some(tagged_pair(intern!(py, "lora"), ids, items)?)
-        }
-        None => None,
-    };
-    let mut keys = Vec::with_capacity(num_blocks);
-    let mut cursor = if start == 0 {
-        MmCursor::At(0)
-    } else {
-        // Past block 0 only the last item can still overlap (vLLM's -1).
-        MmCursor::Last
-    };
-    let mut hits = Vec::new();
-    for block in 0..num_blocks {
-        let block_start = start + block * block_size;
-        hits.clear();
-        cursor = mm_features_in_block(
-            &positions,
-            to_i64(block_start),
-            to_i64(block_start + block_size),
-            cursor,
-            &mut hits,
-        );
-        let mut block_keys: Vec<Value> = lora.iter().cloned().collect();
-        for &(index, offset) in &hits {
-            let Some(item) = items.get_mut(index) else {
-                continue;
-            };
-            let identifier = if let Some((_, value)) = &item.identifier {
-                value.clone()
-            } else {
-                let obj = item.feature.getattr(intern!(py, "identifier"))?;
-                let value = extra_key(&obj, ids, 2)?;
-                item.identifier = Some((obj, value.clone()));
-                value
-            };
-            let key = tagged_pair(intern!(py, "mm"), ids, vec![identifier, Value::Int(offset)])?;
-            block_keys.push(key);
-        }
-        if let (0, Some(salt)) = (block_start, salt) {
-            let salt = extra_key(salt, ids, 2)?;
-            block_keys.push(tagged_pair(intern!(py, "cache_salt"), ids, vec![salt])?);
-        }
-        keys.push(if block_keys.is_empty() {
-            None
-        } else {
-            Some(Tuple::new(block_keys, None).map(Value::Tuple).py()?)
-        });
-    }
-    Ok(Some(keys))
-}
-
-/// Token positions are below `isize::MAX`, so they fit in an `i64`.
-fn to_i64(n: usize) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
+    let error = StashedError::default();
+    let mut source = PyExtraKeys::read(attrs, start, ids, &error)?;
+    let keys = block_extra_keys(&mut source, start, num_blocks, block_size);
+    error.finish(keys)
 }
 
 // ----------------------------------------------------------------------------- the class
@@ -373,12 +407,11 @@ impl PyBlockHasher {
             return Err(embeds_error());
         }
         let block_size = self.inner.block_size();
-        let start = request.hashes.len().saturating_mul(block_size);
-        let num_tokens = request.tokens.len();
-        if start.saturating_add(block_size) > num_tokens {
+        let Some((start, num_blocks)) =
+            new_blocks(request.hashes.len(), request.tokens.len(), block_size)
+        else {
             return Ok(None);
-        }
-        let num_blocks = (num_tokens - start) / block_size;
+        };
         let parent = request
             .hashes
             .last()
@@ -430,11 +463,12 @@ impl PyBlockHasher {
         let num_known = known.len()?;
         let start = num_known.saturating_mul(block_size);
         let num_tokens: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-        let Some(available) = usize::try_from(num_tokens)
-            .ok()
-            .and_then(|n| n.checked_sub(start))
-            .filter(|&n| n >= block_size)
-        else {
+        // A negative count has no blocks.
+        let Some((_, num_blocks)) = new_blocks(
+            num_known,
+            usize::try_from(num_tokens).unwrap_or(0),
+            block_size,
+        ) else {
             return Ok(Vec::new());
         };
         let last = if num_known > 0 {
@@ -446,7 +480,6 @@ impl PyBlockHasher {
             Some(obj) => parent_arg(obj)?,
             None => None,
         };
-        let num_blocks = available / block_size;
         let end = start + num_blocks * block_size;
         let slice = PySlice::new(
             py,
