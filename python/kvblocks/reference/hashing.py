@@ -157,8 +157,9 @@ def get_hash_fn_by_name(name: object) -> HashFunction:
     Raises:
         ValueError: For any other name (or a non-string).
     """
-    if isinstance(name, str) and name in HASH_FUNCTIONS:
-        return HASH_FUNCTIONS[name]
+    # A subclass is looked up by its contents, as natively: its dunders never run.
+    if isinstance(name, str) and str.__str__(name) in HASH_FUNCTIONS:
+        return HASH_FUNCTIONS[str.__str__(name)]
     raise ValueError(
         f"unknown hash algorithm {name!r}; expected one of "
         + ", ".join(repr(algo) for algo in HASH_ALGORITHMS)
@@ -182,8 +183,11 @@ def resolve_seed(seed: str | None, algo: str) -> str:
     if seed is not None:
         if not isinstance(seed, str):
             raise TypeError(f"seed must be a str or None, got {type(seed).__name__}")
-        # A subclass is read as its contents, as natively.
-        return str.__str__(seed)
+        # A subclass is read as its contents, as natively; it must encode as UTF-8.
+        seed = str.__str__(seed)
+        if not seed.isascii():
+            seed.encode("utf-8")
+        return seed
     env_seed = os.environ.get("PYTHONHASHSEED")
     if env_seed is not None:
         return env_seed
@@ -376,7 +380,7 @@ class BlockHasher:
         hash_fn = get_hash_fn_by_name(algo)
         seed = resolve_seed(seed, algo)
         self._block_size = block_size
-        self._algo = algo
+        self._algo = str.__str__(algo)
         self._seed = seed
         self._hash_fn = hash_fn
         # vLLM hashes the seed as a str, not as bytes.

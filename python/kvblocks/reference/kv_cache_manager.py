@@ -451,7 +451,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int]]:
         """The request's block table, one list per group: ``([ids...],)``; ``([],)`` if unknown."""
-        return (list(self._req_to_blocks.get(request_id, [])),)
+        return (list(self._req_to_blocks.get(to_request_id(request_id), [])),)
 
     # ------------------------------------------------------------------ pass-through
 

@@ -12,7 +12,7 @@ KV cache group, with two differences that make the state observable and checkabl
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
@@ -138,18 +138,17 @@ def to_uint(value: SupportsIndex, bits: int = 64) -> int:
     return number
 
 
-def to_field_list(value: object, item: Callable[[Any], int] = to_int) -> list[int]:
-    """A list field: any sequence but a ``str``, each item converted by ``item``.
+def to_unsigned_list(values: Iterable[SupportsIndex]) -> list[int]:
+    """:func:`to_int_list`, refusing negative items.
 
     Raises:
-        TypeError: ``value`` is a ``str`` or not a sequence, or an item is not an integer.
-        OverflowError: an item does not fit.
+        TypeError: as :func:`to_int_list`.
+        OverflowError: an item is negative or does not fit.
     """
-    if isinstance(value, str):
-        raise TypeError("Can't extract `str` to `Vec`")
-    if not isinstance(value, Sequence):
-        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'Sequence'")
-    return [item(v) for v in materialise(value)]
+    ints = to_int_list(values)
+    if ints and min(ints) < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    return ints
 
 
 def to_field_set(value: object, item: Callable[[Any], Any]) -> set[Any]:
@@ -294,6 +293,15 @@ class KVCacheBlock:
     block_hash: bytes | None
     group_id: int | None
     is_null: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_id", to_uint(self.block_id, 32))
+        object.__setattr__(self, "ref_cnt", to_uint(self.ref_cnt, 32))
+        if self.block_hash is not None:
+            object.__setattr__(self, "block_hash", to_block_hash(self.block_hash))
+        if self.group_id is not None:
+            object.__setattr__(self, "group_id", to_uint(self.group_id, 32))
+        object.__setattr__(self, "is_null", to_flag(self.is_null))
 
 
 @dataclass(slots=True, eq=False)

@@ -44,12 +44,12 @@ from kvblocks.reference.kv_cache_utils import (
     check_non_negative,
     check_positive,
     materialise,
-    to_field_list,
     to_field_set,
     to_int,
     to_int_list,
     to_request_id,
     to_uint,
+    to_unsigned_list,
 )
 
 __all__ = [
@@ -124,10 +124,10 @@ class RollbackResult:
     blocks_to_evict: list[int]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_computed_tokens", to_field_list(self.num_computed_tokens))
-        object.__setattr__(self, "affected", to_field_list(self.affected, to_uint))
+        object.__setattr__(self, "num_computed_tokens", to_int_list(self.num_computed_tokens))
+        object.__setattr__(self, "affected", to_unsigned_list(self.affected))
         object.__setattr__(self, "total_affected_tokens", to_uint(self.total_affected_tokens, 128))
-        object.__setattr__(self, "blocks_to_evict", to_field_list(self.blocks_to_evict))
+        object.__setattr__(self, "blocks_to_evict", to_int_list(self.blocks_to_evict))
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +196,7 @@ def rollback_invalid_blocks(
             negative count or id, more tokens scheduled than computed, or a block table
             too short to hold the tokens computed before this step.
     """
+    collect_evictions = bool(collect_evictions)
     strict = _check_mode(mode)
     tables = [to_int_list(table) for table in materialise(block_tables)]
     computed = to_int_list(num_computed_tokens)
@@ -300,8 +301,8 @@ def update_requests_with_invalid_blocks(
         ValueError: As :func:`rollback_invalid_blocks`, or a request given twice.
         UnsupportedLayoutError: The manager has more than one KV cache group.
     """
-    strict = _check_mode(mode)
     collect_evictions = bool(evict_blocks)
+    strict = _check_mode(mode)
     _check_single_group(kv_cache_manager)
     batch = _Pass.gather(requests, num_scheduled_tokens)
     batch.check_unique(set())

@@ -46,6 +46,17 @@ pub fn to_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     }
 }
 
+/// `operator.index(obj)` as an unsigned `T`: `TypeError` for a non-integer,
+/// `OverflowError` for a negative or too large one.
+pub fn index_uint<T: for<'a, 'py> FromPyObject<'a, 'py, Error = PyErr>>(
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<T> {
+    // SAFETY: GIL held; returns a new reference or null with an error set.
+    let index =
+        unsafe { Bound::from_owned_ptr_or_err(obj.py(), ffi::PyNumber_Index(obj.as_ptr())) }?;
+    index.extract()
+}
+
 /// `type(obj).__name__`, for error messages.
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()

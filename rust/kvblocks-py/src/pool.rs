@@ -250,17 +250,21 @@ impl PyKVCacheBlock {
     fn new(
         block_id: u32,
         ref_cnt: u32,
-        block_hash: Option<Vec<u8>>,
+        block_hash: Option<&Bound<'_, PyAny>>,
         group_id: Option<u32>,
         is_null: bool,
-    ) -> Self {
-        Self {
+    ) -> PyResult<Self> {
+        let block_hash = match block_hash {
+            Some(h) if !h.is_none() => Some(hash_bytes(h)?.as_bytes().to_vec()),
+            _ => None,
+        };
+        Ok(Self {
             block_id,
             ref_cnt,
             block_hash,
             group_id,
             is_null,
-        }
+        })
     }
 
     #[getter]

@@ -15,13 +15,13 @@ use std::collections::HashSet;
 use kvblocks_core::rollback::{
     self, Batch, BlockIds, Mode, Pass, Policy, Rollback, RollbackTarget,
 };
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
 use pyo3::Borrowed;
 
-use crate::convert::{int_column, to_list, Flag, Given, IntColumn};
+use crate::convert::{index_uint, int_column, to_list, Flag, Given, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
@@ -110,17 +110,25 @@ impl PyRollbackResult {
     #[new]
     #[pyo3(signature = (num_computed_tokens, affected, total_affected_tokens, blocks_to_evict))]
     fn new(
-        num_computed_tokens: Vec<i64>,
-        affected: Vec<usize>,
-        total_affected_tokens: u128,
-        blocks_to_evict: Vec<i64>,
-    ) -> Self {
-        Self {
+        num_computed_tokens: &Bound<'_, PyAny>,
+        affected: &Bound<'_, PyAny>,
+        total_affected_tokens: &Bound<'_, PyAny>,
+        blocks_to_evict: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let num_computed_tokens = int_column(num_computed_tokens)?.into_vec();
+        let affected = int_column(affected)?
+            .iter()
+            .map(|&i| {
+                usize::try_from(i)
+                    .map_err(|_| PyOverflowError::new_err("can't convert negative int to unsigned"))
+            })
+            .collect::<PyResult<_>>()?;
+        Ok(Self {
             num_computed_tokens,
             affected,
-            total_affected_tokens,
-            blocks_to_evict,
-        }
+            total_affected_tokens: index_uint(total_affected_tokens)?,
+            blocks_to_evict: int_column(blocks_to_evict)?.into_vec(),
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -203,16 +211,17 @@ impl PyInvalidBlocksOutcome {
         rescheduled_req_ids: HashSet<String>,
         retry_req_ids: HashSet<String>,
         evicted_block_ids: HashSet<i64>,
-        total_affected_tokens: u128,
-    ) -> Self {
-        Self {
+        total_affected_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let total_affected_tokens = index_uint(total_affected_tokens)?;
+        Ok(Self {
             failed_waiting: failed_req_ids.into_iter().collect(),
             failed_running: Vec::new(),
             rescheduled_req_ids: rescheduled_req_ids.into_iter().collect(),
             retry_req_ids: retry_req_ids.into_iter().collect(),
             evicted_block_ids: evicted_block_ids.into_iter().collect(),
             total_affected_tokens,
-        }
+        })
     }
 
     // Sets are handed out as new Python sets, built as vLLM builds its own: the outcome
