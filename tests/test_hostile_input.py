@@ -313,7 +313,11 @@ def test_ints_past_64_bits_raise_overflow_error(backend: ModuleType, call: Any) 
     [
         (lambda b: b.RollbackResult([1.5], [0], 0, []), TypeError),
         (lambda b: b.RollbackResult("12", [0], 0, []), TypeError),
-        (lambda b: b.RollbackResult((x for x in [1]), [0], 0, []), TypeError),
+        (lambda b: b.RollbackResult(7, [0], 0, []), TypeError),
+        (lambda b: b.KVCacheBlock(1, 0, "x", None, False), TypeError),
+        (lambda b: b.KVCacheBlock(-1, 0, None, None, False), OverflowError),
+        (lambda b: b.KVCacheBlock(1, 0, None, 2**32, False), OverflowError),
+        (lambda b: b.KVCacheBlock(1, 0, None, None, 1), TypeError),
         (lambda b: b.RollbackResult([1], [-1], 0, []), OverflowError),
         (lambda b: b.RollbackResult([1], [0], -1, []), OverflowError),
         (lambda b: b.InvalidBlocksOutcome(["a"], set(), set(), set(), 0), TypeError),
