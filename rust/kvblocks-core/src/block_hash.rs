@@ -5,7 +5,7 @@ use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 
 use crate::error::{Error, Result};
-use crate::free_queue::ix;
+use crate::index::ix;
 
 /// The longest hash kvblocks stores: a SHA-256 digest. xxh3-128 digests are 16 bytes.
 pub const MAX_HASH_LEN: usize = 32;

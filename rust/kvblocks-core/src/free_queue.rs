@@ -13,6 +13,7 @@
 //!   the tail sentinel, and `prev` mirrors `next` at every step.
 
 use crate::error::{Error, Result};
+use crate::index::{ix, try_filled_vec};
 
 /// Link value of a block that is not in the queue (and of the head's `prev` and the
 /// tail's `next`).
@@ -21,22 +22,6 @@ pub const NOT_IN_QUEUE: u32 = u32::MAX;
 /// The largest capacity a queue can have: the two sentinel slots and the
 /// [`NOT_IN_QUEUE`] marker must still fit in a `u32`.
 pub const MAX_CAPACITY: u32 = u32::MAX - 2;
-
-/// A `Vec` of `len` copies of `value`, or an error instead of an allocation abort.
-pub(crate) fn try_filled_vec<T: Clone>(value: T, len: usize) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    out.try_reserve_exact(len)
-        .map_err(|_| Error::InvalidArgument(format!("not enough memory for {len} block slots")))?;
-    out.resize(len, value);
-    Ok(out)
-}
-
-/// Widens a block id to an index. Lossless on every platform Rust supports with
-/// 32-bit or wider pointers.
-#[inline]
-pub(crate) const fn ix(id: u32) -> usize {
-    id as usize
-}
 
 /// The neighbours of one queue slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,6 +18,7 @@ pub mod error;
 pub mod events;
 pub mod free_queue;
 pub mod hashing;
+mod index;
 pub mod manager;
 pub mod new_blocks;
 pub mod pool;

@@ -27,7 +27,7 @@ use rustc_hash::FxHashMap;
 use crate::block_hash::BlockHash;
 use crate::error::{non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
-use crate::free_queue::ix;
+use crate::index::ix;
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
 
 /// The KV cache group id of the single full-attention group.

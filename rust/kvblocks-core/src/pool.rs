@@ -25,7 +25,8 @@ use std::ops::Range;
 use crate::block_hash::BlockHash;
 use crate::error::{group_id, non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
-use crate::free_queue::{ix, try_filled_vec, FreeQueue, MAX_CAPACITY};
+use crate::free_queue::{FreeQueue, MAX_CAPACITY};
+use crate::index::{ix, try_filled_vec};
 use crate::prefix_map::PrefixMap;
 
 /// The id of the null block.

@@ -32,7 +32,7 @@ use rustc_hash::FxHashMap;
 
 use crate::block_hash::{map_heap_bytes, BlockHash, HashInterner, NO_TAG};
 use crate::error::Result;
-use crate::free_queue::{ix, try_filled_vec};
+use crate::index::{ix, try_filled_vec};
 
 /// "No block" in the per-block links, and "no hash" in a block's slot.
 pub const NO_BLOCK: u32 = u32::MAX;

@@ -1,8 +1,9 @@
 //! Byte-identical replay of vLLM 0.33.0's block hashes: every case of
-//! `tests/golden/hashes.jsonl`, the worked examples of the behaviour notes (§3.5), and
-//! vectors computed with Python 3.11's `pickle`, `cbor2`, `hashlib` and `xxhash` for what
-//! the golden cases do not reach (frames over 64 KiB, large payloads, memo references,
-//! huge ints, token-width edges, the deepest allowed nesting).
+//! `tests/golden/hashes.jsonl`, worked examples (block size 4, the prompt `1..=10`, the
+//! default seed and `PYTHONHASHSEED=0`), and vectors computed with Python 3.11's
+//! `pickle`, `cbor2`, `hashlib` and `xxhash` for what the golden cases do not reach
+//! (frames over 64 KiB, large payloads, memo references, huge ints, token-width edges,
+//! the deepest allowed nesting).
 
 use kvblocks_core::hashing::{
     cbor, pickle, BlockHasher, HashAlgo, Memo, ObjectId, ParentObject, Tuple, Value,
@@ -120,7 +121,8 @@ fn golden_hashes_jsonl() {
     assert_eq!(cases, 60, "every golden case replayed");
 }
 
-/// Behaviour notes §3.5: block size 4, prompt 1..=10, default seed.
+/// Block size 4, prompt 1..=10, default seed: the pickled seed and first block, the
+/// chain, a block completed by output tokens, its KV-event int and a salted chain.
 #[test]
 fn worked_example_sha256() {
     let hasher = BlockHasher::new(4, HashAlgo::Sha256, "vllm-none-hash").unwrap();

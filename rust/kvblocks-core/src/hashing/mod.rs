@@ -12,141 +12,38 @@
 //! [`Value`] tree per block. SHA-256 chains alternate between two buffers allocated per
 //! call (the next block is written while the current one is hashed); xxh3 and blocks
 //! the chain does not take reuse one buffer.
+//!
+//! Here: [`BlockHasher`]. Beside it: the algorithms and seed (`algo`), in-place
+//! SHA-256 (`sha256`), the token word writer (`words`), the multimodal extra-key walk
+//! (`mm_keys`) and Python's `repr()` for error messages (`repr`).
 
+mod algo;
 pub mod cbor;
+mod mm_keys;
 pub mod pickle;
+mod repr;
+mod sha256;
 pub mod value;
+mod words;
 
 use std::fmt::Write as _;
 use std::slice::ChunksExact;
 
-use sha2::digest::generic_array::GenericArray;
-use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
-use crate::block_hash::{BlockHash, MAX_HASH_LEN};
+use crate::block_hash::BlockHash;
 use crate::error::{positive, Error, Result};
 
+use algo::from_digest;
+use sha256::{compress_blocks, sha256_in_place, sha256_pad, state_bytes, SHA256_IV, SHA256_PAD};
+// For the fixed-layout writers of `pickle` and `cbor`, which take it through `super::`.
+use words::{append_words, Cursor, WordLen};
+
+pub use algo::{resolve_seed, HashAlgo, DEFAULT_SEED};
+pub use mm_keys::{mm_features_in_block, MmCursor, MmPosition};
 pub use pickle::{Memo, ParentObject};
+pub use repr::py_repr;
 pub use value::{too_deep_error, BigInt, ObjectId, Tuple, Value, MAX_DEPTH};
-
-/// The seed vLLM uses for the SHA-256 algorithms when `PYTHONHASHSEED` is unset.
-pub const DEFAULT_SEED: &str = "vllm-none-hash";
-
-// Both digests fit in a BlockHash, so building one from a digest cannot fail.
-const _: () = assert!(32 <= MAX_HASH_LEN);
-
-/// vLLM's `--prefix-caching-hash-algo` choices.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum HashAlgo {
-    /// pickle protocol 5 + SHA-256 (vLLM's default).
-    Sha256,
-    /// canonical CBOR + SHA-256.
-    Sha256Cbor,
-    /// pickle protocol 5 + xxh3-128.
-    Xxhash,
-    /// canonical CBOR + xxh3-128.
-    XxhashCbor,
-}
-
-impl HashAlgo {
-    /// Every algorithm, in the order error messages list them.
-    pub const ALL: [Self; 4] = [
-        Self::Sha256,
-        Self::Sha256Cbor,
-        Self::Xxhash,
-        Self::XxhashCbor,
-    ];
-
-    /// The algorithm vLLM calls `name`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] naming the accepted names for anything else.
-    pub fn from_name(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|a| a.name() == name)
-            .ok_or_else(|| Self::unknown(&py_repr(name)))
-    }
-
-    /// The error for an algorithm name that is not one, shown as `repr` (Python's
-    /// `repr()` of what was given).
-    pub fn unknown(repr: &str) -> Error {
-        Error::InvalidArgument(format!(
-            "unknown hash algorithm {repr}; expected one of 'sha256', 'sha256_cbor', \
-             'xxhash', 'xxhash_cbor'"
-        ))
-    }
-
-    /// vLLM's name for the algorithm.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Sha256 => "sha256",
-            Self::Sha256Cbor => "sha256_cbor",
-            Self::Xxhash => "xxhash",
-            Self::XxhashCbor => "xxhash_cbor",
-        }
-    }
-
-    /// Whether values are serialised with pickle (else CBOR).
-    pub fn uses_pickle(self) -> bool {
-        matches!(self, Self::Sha256 | Self::Xxhash)
-    }
-
-    /// Whether the digest is xxh3-128 (else SHA-256). vLLM seeds these randomly.
-    pub fn is_xxhash(self) -> bool {
-        matches!(self, Self::Xxhash | Self::XxhashCbor)
-    }
-
-    /// Digest length in bytes: 32 for SHA-256, 16 for xxh3-128.
-    pub fn digest_len(self) -> usize {
-        if self.is_xxhash() {
-            16
-        } else {
-            32
-        }
-    }
-
-    fn digest(self, data: &[u8]) -> BlockHash {
-        if self.is_xxhash() {
-            from_digest(&xxh3_128(data).to_be_bytes())
-        } else {
-            from_digest(&Sha256::digest(data))
-        }
-    }
-}
-
-fn from_digest(digest: &[u8]) -> BlockHash {
-    match BlockHash::new(digest) {
-        Ok(h) => h,
-        // Digests are 16 or 32 bytes, within MAX_HASH_LEN (asserted at compile time).
-        Err(_) => unreachable!("digests fit in a BlockHash"),
-    }
-}
-
-/// The chain seed string, as vLLM's `init_none_hash` picks it: the explicit seed, else
-/// `PYTHONHASHSEED` (pass its value), else [`DEFAULT_SEED`] for the SHA-256 algorithms
-/// and 32 random bytes as hex for the xxhash ones.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] if the operating system cannot supply random bytes.
-pub fn resolve_seed(
-    explicit: Option<&str>,
-    pythonhashseed_env: Option<&str>,
-    algo: HashAlgo,
-) -> Result<String> {
-    if let Some(seed) = explicit.or(pythonhashseed_env) {
-        return Ok(seed.to_owned());
-    }
-    if !algo.is_xxhash() {
-        return Ok(DEFAULT_SEED.to_owned());
-    }
-    let mut random = [0u8; 32];
-    getrandom::fill(&mut random).map_err(|e| {
-        Error::InvalidArgument(format!("cannot read random bytes for the hash seed: {e}"))
-    })?;
-    Ok(hex(&random))
-}
 
 /// Computes vLLM block hashes for one algorithm, block size and seed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -426,320 +323,10 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 /// `None`, and the slack of the last token's 8-byte store.
 const PLAIN_OVERHEAD: usize = 32;
 
-/// The most bytes SHA-256 padding writes past a message: `0x80`, up to 63 zeros and
-/// the 8-byte length.
-const SHA256_PAD: usize = 72;
-
-/// SHA-256's initial state (FIPS 180-4, 5.3.3).
-const SHA256_IV: [u32; 8] = [
-    0x6a09_e667,
-    0xbb67_ae85,
-    0x3c6e_f372,
-    0xa54f_f53a,
-    0x510e_527f,
-    0x9b05_688c,
-    0x1f83_d9ab,
-    0x5be0_cd19,
-];
-
-/// SHA-256 of `buf[..len]`, padding the message in place (FIPS 180-4, 5.1.1) and
-/// running the compression function straight over `buf`: the `Digest` API would copy
-/// the message through its block buffer and pad in a second one. `None` if `buf` is
-/// shorter than `len + SHA256_PAD`.
-fn sha256_in_place(buf: &mut [u8], len: usize) -> Option<[u8; 32]> {
-    let end = sha256_pad(buf, len)?;
-    let mut state = SHA256_IV;
-    compress_blocks(&mut state, buf.get(..end)?);
-    Some(state_bytes(state))
-}
-
-/// Pads the message `buf[..len]` in place (FIPS 180-4, 5.1.1); returns where the
-/// padded message ends. `None` if `buf` is shorter than the padded message (at most
-/// `len + SHA256_PAD` bytes), having written part of the padding.
-fn sha256_pad(buf: &mut [u8], len: usize) -> Option<usize> {
-    let end = (len + 9).div_ceil(64) * 64;
-    // Zeroing a fixed 64 bytes (more than the at most 63 needed; the length then
-    // overwrites the excess) compiles to a few vector stores instead of a memset call.
-    buf.get_mut(len..len + 65)?.copy_from_slice(&PAD_START);
-    let bits = (len as u64) * 8;
-    buf.get_mut(end - 8..end)?
-        .copy_from_slice(&bits.to_be_bytes());
-    Some(end)
-}
-
-/// Runs the compression function over `data`, whose length is a multiple of 64, in
-/// one call: a call per 64-byte block costs ~4 ns of state shuffling each.
-fn compress_blocks(state: &mut [u32; 8], data: &[u8]) {
-    debug_assert!(data.len() % 64 == 0);
-    let blocks = data.len() / 64;
-    // SAFETY: GenericArray<u8, U64> is #[repr(transparent)] over 64 bytes with
-    // alignment 1 (sha2 relies on the same layout, casting back to [u8; 64]), and
-    // `blocks * 64 <= data.len()` bytes are read from `data`, borrowed for the call.
-    let blocks = unsafe {
-        std::slice::from_raw_parts(
-            data.as_ptr()
-                .cast::<GenericArray<u8, sha2::digest::consts::U64>>(),
-            blocks,
-        )
-    };
-    sha2::compress256(state, blocks);
-}
-
-/// The digest: the final state, big-endian.
-fn state_bytes(state: [u32; 8]) -> [u8; 32] {
-    let mut digest = [0u8; 32];
-    for (out, word) in digest.chunks_exact_mut(4).zip(state) {
-        out.copy_from_slice(&word.to_be_bytes());
-    }
-    digest
-}
-
-/// The `0x80` that ends every message, then zeros.
-const PAD_START: [u8; 65] = {
-    let mut pad = [0u8; 65];
-    pad[0] = 0x80;
-    pad
-};
-
-/// How many leading bytes of a token's 8-byte word are its encoding. At most 5 by
-/// construction, which the unchecked stores of [`Cursor::put_words`] rely on.
-#[derive(Debug, Clone, Copy)]
-#[repr(u8)]
-enum WordLen {
-    One = 1,
-    Two = 2,
-    Three = 3,
-    Five = 5,
-}
-
-/// Writes into a buffer sized in advance, so the hot path has no growth checks. The
-/// writers check the buffer's size before writing; a write that would not fit is
-/// dropped (the bounds check stays, but never fails).
-/// The bytes [`Cursor::put_words`] needs for `n` tokens: token i's word starts at most
-/// 5 * i bytes in (every [`WordLen`] is at most 5) and is 8 long, so all of them lie in
-/// the first `5 * n + 3` bytes.
-const fn words_room(n: usize) -> usize {
-    5 * n + 3
-}
-
-/// Appends `tokens` to `out` as [`Cursor::put_words`] writes them, sizing `out` for it.
-fn append_words(out: &mut Vec<u8>, tokens: &[i64], encode: impl Fn(i64) -> ([u8; 8], WordLen)) {
-    let start = out.len();
-    out.resize(start + words_room(tokens.len()), 0);
-    let mut w = Cursor::new(out.get_mut(start..).unwrap_or_default());
-    // Sized just above, so the words fit.
-    let _ = w.put_words(tokens, encode);
-    let end = start + w.pos();
-    out.truncate(end);
-}
-
-struct Cursor<'a> {
-    buf: &'a mut [u8],
-    pos: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn new(buf: &'a mut [u8]) -> Self {
-        Self { buf, pos: 0 }
-    }
-
-    fn pos(&self) -> usize {
-        self.pos
-    }
-
-    #[inline]
-    fn put(&mut self, bytes: &[u8]) {
-        self.put_at(self.pos, bytes);
-        self.pos += bytes.len();
-    }
-
-    /// Writes one encoding per token, `encode` giving each as the first `len` bytes of
-    /// an 8-byte word. Every word is stored whole, the next one overwriting its slack:
-    /// one fixed-size store per token instead of a copy of variable length.
-    /// `None`, writing nothing, if fewer than [`words_room`] bytes are left.
-    #[inline]
-    fn put_words(
-        &mut self,
-        tokens: &[i64],
-        encode: impl Fn(i64) -> ([u8; 8], WordLen),
-    ) -> Option<()> {
-        let end = self.pos + words_room(tokens.len());
-        let region = self.buf.get_mut(self.pos..end)?;
-        // Bounds-checking each store (the offset is data-dependent, so the compiler
-        // cannot hoist the check) took a 16-token block from ~9 to ~17 ns.
-        let base = region.as_mut_ptr();
-        let mut offset = 0;
-        for &t in tokens {
-            let (word, len) = encode(t);
-            // SAFETY: before token i is written, `offset` is the sum of i WordLens,
-            // each at most 5, so `offset + 8 <= 5 * i + 8 <= 5 * n + 3 = region.len()`:
-            // the store is inside `region`, and `write_unaligned` needs no alignment.
-            unsafe { base.add(offset).cast::<[u8; 8]>().write_unaligned(word) };
-            offset += len as usize;
-        }
-        self.pos += offset;
-        Some(())
-    }
-
-    /// Overwrites bytes already written (a length filled in afterwards).
-    #[inline]
-    fn put_at(&mut self, at: usize, bytes: &[u8]) {
-        if let Some(slot) = self.buf.get_mut(at..at + bytes.len()) {
-            slot.copy_from_slice(bytes);
-        }
-    }
-}
-
-/// Where a multimodal item's placeholder tokens sit in the prompt (vLLM's
-/// `PlaceholderRange`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MmPosition {
-    /// Index of the first placeholder token.
-    pub offset: i64,
-    /// Number of placeholder tokens.
-    pub length: i64,
-}
-
-/// Where the multimodal walk of [`mm_features_in_block`] resumes: a feature index, or
-/// `Last` for vLLM's `-1` ("only the last item can still overlap").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MmCursor {
-    /// Resume at this feature.
-    At(usize),
-    /// The last feature (vLLM's `start_mm_idx == -1`, used once hashing starts past
-    /// block 0).
-    Last,
-}
-
-/// vLLM 0.33.0's `_gen_mm_extra_hash_keys` walk: which features (sorted by offset)
-/// overlap the block `[start, end)`. Appends `(feature index, offset - start)` to
-/// `out` for each, in order (each becomes the key `("mm", identifier, offset - start)`),
-/// and returns the cursor for the next block.
-pub fn mm_features_in_block(
-    positions: &[MmPosition],
-    start: i64,
-    end: i64,
-    cursor: MmCursor,
-    out: &mut Vec<(usize, i64)>,
-) -> MmCursor {
-    let Some(last) = positions.last() else {
-        return cursor;
-    };
-    if last.offset.saturating_add(last.length) <= start {
-        // Past every item: vLLM returns the cursor unchanged.
-        return cursor;
-    }
-    let mut idx = match cursor {
-        MmCursor::At(i) => i,
-        MmCursor::Last => positions.len() - 1,
-    };
-    while let Some(pos) = positions.get(idx) {
-        if end <= pos.offset {
-            // The block has not reached this item.
-            break;
-        }
-        let item_end = pos.offset.saturating_add(pos.length);
-        if start >= item_end {
-            // The block is past this item.
-            idx += 1;
-            continue;
-        }
-        out.push((idx, pos.offset.saturating_sub(start)));
-        if end >= item_end {
-            // The item ends in this block; the next one may start in it too.
-            idx += 1;
-        } else {
-            break;
-        }
-    }
-    MmCursor::At(idx)
-}
-
-/// Python's `repr()` of a `str`, for error messages that quote user input.
-///
-/// Exact for every assigned code point of Unicode 14 (Python 3.11); unassigned code
-/// points, which Python escapes, are written as they are.
-pub fn py_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push(quote);
-    for ch in s.chars() {
-        match ch {
-            '\\' => out.push_str("\\\\"),
-            '\t' => out.push_str("\\t"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if is_py_printable(c) => out.push(c),
-            c => {
-                let code = u32::from(c);
-                // Writing to a String cannot fail.
-                let _ = if code <= 0xff {
-                    write!(out, "\\x{code:02x}")
-                } else if code <= 0xffff {
-                    write!(out, "\\u{code:04x}")
-                } else {
-                    write!(out, "\\U{code:08x}")
-                };
-            }
-        }
-    }
-    out.push(quote);
-    out
-}
-
-/// `str.isprintable()` for one character: not a control, format, separator (other
-/// than the space), private-use or noncharacter code point.
-fn is_py_printable(c: char) -> bool {
-    const NOT_PRINTABLE: &[(u32, u32)] = &[
-        (0x00, 0x1f),
-        (0x7f, 0xa0),
-        (0xad, 0xad),
-        (0x600, 0x605),
-        (0x61c, 0x61c),
-        (0x6dd, 0x6dd),
-        (0x70f, 0x70f),
-        (0x890, 0x891),
-        (0x8e2, 0x8e2),
-        (0x1680, 0x1680),
-        (0x180e, 0x180e),
-        (0x2000, 0x200f),
-        (0x2028, 0x202f),
-        (0x205f, 0x2064),
-        (0x2066, 0x206f),
-        (0x3000, 0x3000),
-        (0xe000, 0xf8ff),
-        (0xfeff, 0xfeff),
-        (0xfff9, 0xfffb),
-        (0x110bd, 0x110bd),
-        (0x110cd, 0x110cd),
-        (0x13430, 0x13438),
-        (0x1bca0, 0x1bca3),
-        (0x1d173, 0x1d17a),
-        (0xe0001, 0xe0001),
-        (0xe0020, 0xe007f),
-        (0xf0000, 0xffffd),
-        (0x10_0000, 0x10_fffd),
-    ];
-    let code = u32::from(c);
-    // Noncharacters (U+FDD0..U+FDEF and the last two code points of every plane) are
-    // unassigned in every Unicode version.
-    let noncharacter = (0xfdd0..=0xfdef).contains(&code) || code & 0xfffe == 0xfffe;
-    !noncharacter
-        && !NOT_PRINTABLE
-            .iter()
-            .any(|&(lo, hi)| (lo..=hi).contains(&code))
-}
-
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest, Sha256};
+
     use super::*;
 
     /// The plain fast path against the general writers and the `Digest` API, at the
@@ -843,66 +430,5 @@ mod tests {
                     .is_empty());
             }
         }
-    }
-
-    #[test]
-    fn sha256_in_place_pads_every_length() {
-        let data: Vec<u8> = (0..300u32).map(|i| (i * 37 % 251) as u8).collect();
-        let mut buf = vec![0xa5; 300 + SHA256_PAD];
-        for len in 0..=300 {
-            buf[..len].copy_from_slice(&data[..len]);
-            let got = sha256_in_place(&mut buf, len).unwrap();
-            assert_eq!(got[..], Sha256::digest(&data[..len])[..], "length {len}");
-            // Leave garbage behind, as the hot path does.
-            buf.fill(0x5a);
-        }
-        assert_eq!(sha256_in_place(&mut [0; 65], 1), None);
-    }
-
-    #[test]
-    fn algo_names_round_trip() {
-        for algo in HashAlgo::ALL {
-            assert_eq!(HashAlgo::from_name(algo.name()), Ok(algo));
-        }
-        let err = HashAlgo::from_name("md5").unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "unknown hash algorithm 'md5'; expected one of 'sha256', 'sha256_cbor', 'xxhash', \
-             'xxhash_cbor'"
-        );
-    }
-
-    #[test]
-    fn repr_matches_python() {
-        // Expected values from Python's repr().
-        assert_eq!(py_repr("it's"), "\"it's\"");
-        assert_eq!(py_repr("'\""), "'\\'\"'");
-        assert_eq!(
-            py_repr("a\\b\tc\n\r\x00\x7f"),
-            "'a\\\\b\\tc\\n\\r\\x00\\x7f'"
-        );
-        assert_eq!(
-            py_repr("ü\u{a0}\u{ad}\u{2028}é\u{e000}\u{1f600}"),
-            "'ü\\xa0\\xad\\u2028é\\ue000😀'"
-        );
-        assert_eq!(py_repr("\u{10ffff}"), "'\\U0010ffff'");
-    }
-
-    #[test]
-    fn mm_walk_matches_behaviour_notes() {
-        // Image at offset 2, length 5, block size 4 (behaviour notes §3.4).
-        let positions = [MmPosition {
-            offset: 2,
-            length: 5,
-        }];
-        let mut out = Vec::new();
-        let next = mm_features_in_block(&positions, 0, 4, MmCursor::At(0), &mut out);
-        assert_eq!((out.as_slice(), next), (&[(0, 2)][..], MmCursor::At(0)));
-        out.clear();
-        let next = mm_features_in_block(&positions, 4, 8, next, &mut out);
-        assert_eq!((out.as_slice(), next), (&[(0, -2)][..], MmCursor::At(1)));
-        out.clear();
-        let next = mm_features_in_block(&positions, 8, 12, next, &mut out);
-        assert_eq!((out.as_slice(), next), (&[][..], MmCursor::At(1)));
     }
 }

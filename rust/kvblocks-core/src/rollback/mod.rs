@@ -328,8 +328,8 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
 pub struct InvalidBlocksOutcome {
     /// The async pass over the requests waiting for remote KVs (no evictions collected).
     pub waiting: Rollback,
-    /// The sync pass over the running requests (evictions collected when
-    /// [`evicts`] says the outcome has any).
+    /// The sync pass over the running requests (evictions collected when the outcome
+    /// has any: under `fail`, or in strict mode).
     pub running: Rollback,
     /// What happens to the affected requests; the verdict views below read it.
     pub policy: Policy,
