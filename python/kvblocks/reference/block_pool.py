@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvblocks.errors import BlockStateError, InvariantError, NoFreeBlocksError
+from kvblocks.reference.borrow import Borrow, reads, writes
 from kvblocks.reference.kv_cache_utils import (
     MAX_NUM_BLOCKS,
     BlockHashToBlockMap,
@@ -75,6 +76,7 @@ class BlockPool:
     __slots__ = (
         "_block_size",
         "_blocks",
+        "_borrow",
         "_cached_block_hash_to_block",
         "_enable_caching",
         "_free_block_queue",
@@ -92,6 +94,7 @@ class BlockPool:
         if num_blocks > MAX_NUM_BLOCKS:
             raise ValueError(f"num_blocks must be at most {MAX_NUM_BLOCKS}, got {num_blocks}")
         check_positive("block_size", block_size)
+        self._borrow = Borrow()
         self._num_blocks = num_blocks
         self._enable_caching = bool(enable_caching)
         self._block_size = block_size
@@ -110,22 +113,26 @@ class BlockPool:
     # ------------------------------------------------------------------ properties
 
     @property
+    @reads
     def num_blocks(self) -> int:
         """The number of blocks, including the null block."""
         return self._num_blocks
 
     @property
+    @reads
     def enable_caching(self) -> bool:
         """Whether prefix caching is on (see the class docstring)."""
         return self._enable_caching
 
     @property
+    @reads
     def block_size(self) -> int:
         """Tokens per block."""
         return self._block_size
 
     # ------------------------------------------------------------------ allocation
 
+    @writes
     def get_new_blocks(self, n: int) -> list[int]:
         """Takes ``n`` blocks from the head of the free queue.
 
@@ -156,6 +163,7 @@ class BlockPool:
             block.ref_cnt = 1
         return [block.block_id for block in blocks]
 
+    @writes
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops one reference to each block, in eviction-priority order.
 
@@ -205,6 +213,7 @@ class BlockPool:
         # Hashed blocks stay cached as long as possible (FIFO gives LRU eviction).
         self._free_block_queue.append_n(evict_last)
 
+    @writes
     def touch(self, block_ids: Iterable[int]) -> None:
         """Adds one reference to each block (a prefix-cache hit being adopted).
 
@@ -231,6 +240,7 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
 
+    @writes
     def cache_full_blocks(
         self,
         block_ids: Iterable[int],
@@ -303,6 +313,7 @@ class BlockPool:
             block.set_hash(block_hash, kv_cache_group_id)
             self._cached_block_hash_to_block.insert((block_hash, kv_cache_group_id), block)
 
+    @reads
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Iterable[int] = (0,)
     ) -> list[int] | None:
@@ -335,6 +346,7 @@ class BlockPool:
             found.append(block.block_id)
         return found
 
+    @reads
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], kv_cache_group_id: int = 0
     ) -> list[int]:
@@ -373,6 +385,7 @@ class BlockPool:
             hits.append(block.block_id)
         return hits
 
+    @writes
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Removes the given blocks from the prefix cache.
 
@@ -392,6 +405,7 @@ class BlockPool:
         for block_id in ids:
             self._maybe_evict_cached_block(self._blocks[block_id])
 
+    @writes
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, if no block is in use.
 
@@ -405,7 +419,7 @@ class BlockPool:
         for block in self._blocks:
             block.reset_hash()
         if self._kv_event_queue is not None:
-            from kvblocks.events import AllBlocksCleared
+            from kvblocks.events import AllBlocksCleared  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
 
             self._kv_event_queue.append(AllBlocksCleared())
         return True
@@ -424,7 +438,7 @@ class BlockPool:
         if self._kv_event_queue is not None:
             still_cached = self._cached_block_hash_to_block.get_one_block(key) is not None
             if not (self._kv_events_last_copy_removal and still_cached):
-                from kvblocks.events import MEDIUM_GPU, BlockRemoved, external_block_hash
+                from kvblocks.events import MEDIUM_GPU, BlockRemoved, external_block_hash  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
 
                 block_hash, group_id = key
                 self._kv_event_queue.append(
@@ -464,10 +478,12 @@ class BlockPool:
 
     # ------------------------------------------------------------------ accessors
 
+    @reads
     def get_num_free_blocks(self) -> int:
         """The number of free blocks, cached ones with ref count 0 included."""
         return self._free_block_queue.num_free_blocks
 
+    @reads
     def get_usage(self) -> float:
         """The fraction of usable (non-null) blocks in use: ``1 - free / (num_blocks - 1)``.
 
@@ -478,6 +494,7 @@ class BlockPool:
             return 0.0
         return 1.0 - self._free_block_queue.num_free_blocks / total
 
+    @reads
     def get_block(self, block_id: int) -> KVCacheBlock:
         """A frozen snapshot of one block.
 
@@ -489,10 +506,12 @@ class BlockPool:
         check_block_ids((block_id,), self._num_blocks)
         return self._blocks[block_id].snapshot()
 
+    @reads
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be allocated) first."""
         return [block.block_id for block in self._free_block_queue]
 
+    @reads
     def check_invariants(self) -> None:
         """Walks the whole state and checks every invariant of the class docstring.
 

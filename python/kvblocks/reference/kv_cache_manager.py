@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvblocks.constants import cdiv
 from kvblocks.errors import BlockStateError
 from kvblocks.reference.block_pool import BlockPool
+from kvblocks.reference.borrow import reads, unguarded, writes
 from kvblocks.reference.kv_cache_utils import (
     PrefixCacheStats,
     check_block_hash,
@@ -157,10 +158,12 @@ class KVCacheManager:
     __slots__ = (
         "_block_pool",
         "_block_size",
+        "_borrow",
         "_enable_caching",
         "_enable_kv_cache_events",
         "_max_model_len",
         "_num_cached_block",
+        "_pool",
         "_prefix_cache_stats",
         "_req_to_blocks",
     )
@@ -189,10 +192,14 @@ class KVCacheManager:
         self._max_model_len = max_model_len
         self._enable_kv_cache_events = bool(enable_kv_cache_events)
         self._block_pool = BlockPool(num_blocks, self._enable_caching, block_size=block_size)
+        # One borrow for the manager and its pool, as natively; the manager's own calls
+        # to the pool go through `_pool`, which never counts as re-entry.
+        self._borrow = self._block_pool._borrow
+        self._pool: BlockPool = unguarded(self._block_pool)
         if self._enable_kv_cache_events:
-            from kvblocks.events import use_int_block_hashes
+            from kvblocks.events import use_int_block_hashes  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
 
-            self._block_pool._enable_kv_cache_events(
+            self._pool._enable_kv_cache_events(
                 use_int_block_hashes(), bool(kv_events_last_copy_removal)
             )
         #: Request id -> its block table, in token order.
@@ -212,27 +219,32 @@ class KVCacheManager:
         return self._block_pool
 
     @property
+    @reads
     def block_size(self) -> int:
         """Tokens per block."""
         return self._block_size
 
     @property
+    @reads
     def num_kv_cache_groups(self) -> int:
         """Always 1: one full-attention group."""
         return 1
 
     @property
+    @reads
     def enable_caching(self) -> bool:
         """Whether prefix caching is on."""
         return self._enable_caching
 
     @property
+    @reads
     def usage(self) -> float:
         """The pool's usage, ``1 - free / (num_blocks - 1)``."""
-        return self._block_pool.get_usage()
+        return self._pool.get_usage()
 
     # ------------------------------------------------------------------ lookup
 
+    @reads
     def get_computed_blocks(self, request: RequestLike) -> tuple[list[int], int]:
         """Finds the longest prefix of the request's blocks in the prefix cache.
 
@@ -259,11 +271,12 @@ class KVCacheManager:
         num_lookups = min(max_num_blocks, view.num_block_hashes)
         # Read lazily: a hash after the first miss is never read.
         lookups = (view.block_hashes[i] for i in range(num_lookups))
-        hits = self._block_pool._longest_cache_hit(lookups, _GROUP_ID)
+        hits = self._pool._longest_cache_hit(lookups, _GROUP_ID)
         return hits, len(hits) * self._block_size
 
     # ------------------------------------------------------------------ allocation
 
+    @writes
     def allocate_slots(  # noqa: PLR0917 (vLLM's positional signature)
         self,
         request: RequestLike,
@@ -338,7 +351,7 @@ class KVCacheManager:
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
         # 3. The hits: real blocks, and only for a request that can adopt them.
-        check_block_ids(hits, self._block_pool.num_blocks)
+        check_block_ids(hits, self._pool.num_blocks)
         if 0 in hits:
             raise ValueError("new_computed_blocks must not contain the null block 0")
         if hits and not self._enable_caching:
@@ -366,10 +379,8 @@ class KVCacheManager:
             num_blocks_to_allocate = max(num_required_blocks - len(hits) - len(req_blocks), 0)
             # A hit still in the free queue stops being free once touched, so it costs a
             # free block just like a new one.
-            num_blocks_to_allocate += sum(
-                1 for b in hits if self._block_pool.get_block(b).ref_cnt == 0
-            )
-        if num_blocks_to_allocate > self._block_pool.get_num_free_blocks():
+            num_blocks_to_allocate += sum(1 for b in hits if self._pool.get_block(b).ref_cnt == 0)
+        if num_blocks_to_allocate > self._pool.get_num_free_blocks():
             return None
 
         # Plan (and check) the caching step before changing anything. The table will
@@ -385,7 +396,7 @@ class KVCacheManager:
 
         # Adopt the hits and allocate blocks for the external tokens.
         if adopts:
-            self._block_pool.touch(hits)
+            self._pool.touch(hits)
             req_blocks = list(hits)
             self._num_cached_block[request_id] = len(req_blocks)
             if num_external_computed_tokens > 0:
@@ -393,10 +404,10 @@ class KVCacheManager:
                     req_blocks
                 )
                 if num_external_blocks > 0:
-                    req_blocks.extend(self._block_pool.get_new_blocks(num_external_blocks))
+                    req_blocks.extend(self._pool.get_new_blocks(num_external_blocks))
         # Slots for the new and lookahead tokens: the only blocks returned.
         num_new_blocks = num_required_blocks - len(req_blocks)
-        new_blocks = self._block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        new_blocks = self._pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks = [*req_blocks, *new_blocks]
         self._req_to_blocks[request_id] = req_blocks
 
@@ -405,6 +416,7 @@ class KVCacheManager:
             self._apply_caching(request_id, req_blocks, plan)
         return new_blocks
 
+    @writes
     def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
         """Caches the request's blocks that are full within ``num_computed_tokens`` tokens.
 
@@ -437,6 +449,7 @@ class KVCacheManager:
         if plan is not None:
             self._apply_caching(request_id, req_blocks, plan)
 
+    @writes
     def free(self, request: RequestLike) -> None:
         """Frees the request's blocks, tail first, and forgets the request.
 
@@ -445,31 +458,35 @@ class KVCacheManager:
         """
         request_id = to_request_id(request.request_id)
         blocks = self._req_to_blocks.get(request_id, [])
-        self._block_pool.free_blocks(reversed(blocks))
+        self._pool.free_blocks(reversed(blocks))
         self._req_to_blocks.pop(request_id, None)
         self._num_cached_block.pop(request_id, None)
 
+    @reads
     def get_block_ids(self, request_id: str) -> tuple[list[int]]:
         """The request's block table, one list per group: ``([ids...],)``; ``([],)`` if unknown."""
         return (list(self._req_to_blocks.get(to_request_id(request_id), [])),)
 
     # ------------------------------------------------------------------ pass-through
 
+    @writes
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Removes the blocks from the prefix cache (see ``BlockPool.evict_blocks``)."""
-        self._block_pool.evict_blocks(block_ids)
+        self._pool.evict_blocks(block_ids)
 
+    @writes
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``).
 
         On success the prefix-cache stats (with ``log_stats``) are marked ``reset``.
         """
-        if not self._block_pool.reset_prefix_cache():
+        if not self._pool.reset_prefix_cache():
             return False
         if self._prefix_cache_stats is not None:
             self._prefix_cache_stats = dataclasses.replace(self._prefix_cache_stats, reset=True)
         return True
 
+    @writes
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events recorded since the last call, oldest first.
 
@@ -478,9 +495,9 @@ class KVCacheManager:
         them as ``KVEventBatch(ts=time.time(), events=events)`` (see
         :mod:`kvblocks.events`).
         """
-        events = self._block_pool._take_kv_events()
+        events = self._pool._take_kv_events()
         if events:
-            from kvblocks.events import FULL_ATTENTION, BlockStored
+            from kvblocks.events import FULL_ATTENTION, BlockStored  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
 
             # As vLLM's take_events: stores get their group's KV cache spec kind, which
             # the pool does not know. The one group is full attention.
@@ -491,6 +508,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ stats
 
+    @writes
     def record_prefix_cache_stats(self, request: RequestLike, num_hits: int) -> None:
         """Records one admission's prefix-cache lookup (a no-op without ``log_stats``).
 
@@ -517,6 +535,7 @@ class KVCacheManager:
                 stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
             )
 
+    @writes
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The stats since the last call (then reset), or ``None`` without ``log_stats``."""
         if self._prefix_cache_stats is None:
@@ -571,7 +590,7 @@ class KVCacheManager:
         if num_cached >= num_full:
             return None
         for block_id in req_blocks[num_cached:num_full]:
-            if self._block_pool.get_block(block_id).block_hash is not None:
+            if self._pool.get_block(block_id).block_hash is not None:
                 raise BlockStateError(f"block {block_id} already has a hash")
         hashes = view.hashes(num_cached, num_full)
         event = None
@@ -588,14 +607,14 @@ class KVCacheManager:
         The parent is the request's logical parent, ``block_hashes[num_cached - 1]``;
         the token ids are the request's tokens of the cached blocks.
         """
-        from kvblocks.events import (
+        from kvblocks.events import (  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
             MEDIUM_GPU,
             BlockStored,
             block_stored_request_fields,
             external_block_hash,
         )
 
-        as_int = self._block_pool._kv_events_as_int
+        as_int = self._pool._kv_events_as_int
         parent = None
         if num_cached > 0:
             parent = view.hash(num_cached - 1)
@@ -634,7 +653,7 @@ class KVCacheManager:
         ``BlockStored`` (after any ``BlockRemoved`` of this call, as vLLM); cannot fail."""
         num_cached, num_full, hashes, event = plan
         new_full = req_blocks[num_cached:num_full]
-        self._block_pool.cache_full_blocks(new_full, hashes, 0, len(new_full), _GROUP_ID)
+        self._pool.cache_full_blocks(new_full, hashes, 0, len(new_full), _GROUP_ID)
         self._num_cached_block[request_id] = num_full
         if event is not None:
-            self._block_pool._record_kv_event(event)
+            self._pool._record_kv_event(event)
