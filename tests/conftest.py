@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,10 +11,34 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 from kvblocks import BACKEND_MODULES, load_backend
 from kvblocks.errors import UnknownBlockError
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
+
+# Hypothesis profiles. "ci" (the default) is reproducible: derandomized, no example
+# database, so every run tries the same examples; it bounds tests/test_fuzz.py to about
+# a minute. "long" (``pytest --hypothesis-profile=long``) tries 20 times as many random
+# examples and keeps the failures it finds in the database. Neither has a deadline: the
+# fuzzer's calls run in a child process, whose start-up time would count.
+settings.register_profile(
+    "ci",
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long",
+    max_examples=2000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(params=sorted(BACKEND_MODULES), ids=lambda name: f"backend={name}")
