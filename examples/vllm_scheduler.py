@@ -6,7 +6,8 @@ step). What is real is vLLM's own scheduling loop -- ``schedule()`` and
 ``update_from_output()`` -- with the class named by ``scheduler_cls`` resolved the way vLLM's
 engine does it, so the KV cache manager it drives is kvblocks'.
 
-Run it from a venv that has vLLM and kvblocks (see the README, "Use it in vLLM")::
+Run it from a venv that has vLLM and kvblocks (docs/vllm.md, "vLLM's scheduler on a CPU",
+says how to make one)::
 
     python examples/vllm_scheduler.py
     python examples/vllm_scheduler.py --scheduler-cls vllm.v1.core.sched.scheduler.Scheduler
@@ -36,10 +37,10 @@ MAX_MODEL_LEN = 1024
 
 def build_scheduler(model_dir: str, scheduler_cls: str) -> Any:
     """vLLM's configs for a tiny model, then the Scheduler class vLLM resolves from them."""
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
+    import torch  # noqa: PLC0415 (vLLM is imported after the env set-up above)
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: PLC0415 (vLLM is imported after the env set-up above)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: PLC0415 (vLLM is imported after the env set-up above)
+    from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415 (vLLM is imported after the env set-up above)
 
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -87,10 +88,10 @@ def build_scheduler(model_dir: str, scheduler_cls: str) -> Any:
 
 def make_requests() -> list[Any]:
     """Four requests sharing a 64-token system prompt, so the later ones hit the prefix cache."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    from vllm.sampling_params import SamplingParams  # noqa: PLC0415 (vLLM is imported after the env set-up above)
+    from vllm.utils.hashing import sha256  # noqa: PLC0415 (vLLM is imported after the env set-up above)
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: PLC0415 (vLLM is imported after the env set-up above)
+    from vllm.v1.request import Request  # noqa: PLC0415 (vLLM is imported after the env set-up above)
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -110,10 +111,10 @@ def make_requests() -> list[Any]:
 
 
 def run(scheduler_cls: str) -> int:
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput  # noqa: PLC0415 (vLLM is imported after the env set-up above)
 
     with tempfile.TemporaryDirectory() as model_dir:
-        from kvblocks.vllm.cpu import write_config_only_model
+        from kvblocks.vllm.cpu import write_config_only_model  # noqa: PLC0415 (kvblocks.vllm imports vLLM: after the env set-up)
 
         scheduler = build_scheduler(str(write_config_only_model(Path(model_dir))), scheduler_cls)
 

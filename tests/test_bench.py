@@ -65,7 +65,7 @@ def test_unknown_workload_is_an_error(capsys: pytest.CaptureFixture[str]) -> Non
 def test_rounds_must_be_positive(
     rounds: str, shown: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvblocks import cli
+    from kvblocks import cli  # noqa: PLC0415 (only this test drives the CLI)
 
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--rounds", rounds])
@@ -161,7 +161,7 @@ def test_self_timed_workload_without_reference(monkeypatch: pytest.MonkeyPatch) 
 def test_absent_scheduler_group_says_why(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvblocks.bench import vllm_scheduler
+    from kvblocks.bench import vllm_scheduler  # noqa: PLC0415 (only these tests use it)
 
     monkeypatch.setattr(vllm_scheduler, "available", lambda: False)
     monkeypatch.setattr(vllm_scheduler, "status", lambda: "vLLM is not importable here (test)")
@@ -173,7 +173,7 @@ def test_absent_scheduler_group_says_why(
 
 
 def test_scheduler_agreement_names_the_first_differing_step() -> None:
-    from kvblocks.bench.vllm_scheduler import _Agreement
+    from kvblocks.bench.vllm_scheduler import _Agreement  # noqa: PLC0415 (a private name, for this test only)
 
     agreement = _Agreement("vllm_scheduler_64")
     first = [(("r0", 16), ("r1", 1)), (("r0", 1),)]

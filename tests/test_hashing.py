@@ -1,7 +1,8 @@
 """Block hashing on both backends, against vLLM 0.33.0 and against plain Python.
 
 * every case of ``golden/hashes.jsonl`` (produced by vLLM's own code), byte for byte;
-* the worked examples of the behaviour notes (§3.5), including the request hasher;
+* worked examples with their exact serialized bytes and digests, for each algorithm and
+  seed, including the request hasher and a request's extra keys;
 * properties: any block (nested extra keys with str, big ints, bytes, None, shared
   objects) hashes to what ``pickle``/``cbor2`` + ``hashlib``/``xxhash`` give directly;
 * seed resolution and every validation error, with its exact class and message.
@@ -116,7 +117,7 @@ def test_worked_example_sha256(backend: ModuleType, monkeypatch: pytest.MonkeyPa
     hasher = backend.BlockHasher(4)
     assert (hasher.block_size, hasher.algo, hasher.seed) == (4, "sha256", "vllm-none-hash")
     assert hasher.none_hash.hex() == NONE_HASH_SHA256
-    # The pickle bytes of the notes, hashed.
+    # The exact pickle bytes of the seed and of block 0, hashed.
     seed_pickle = "80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e"
     assert pickle.dumps("vllm-none-hash", protocol=5).hex() == seed_pickle
     block0 = bytes.fromhex(
@@ -175,7 +176,7 @@ def test_worked_example_seed_zero(backend: ModuleType, monkeypatch: pytest.Monke
 
 
 def test_request_extra_keys_behaviour_notes_example(backend: ModuleType) -> None:
-    """§3.4: LoRA L at /p, image imgA at offset 2 (length 5), salt S, block size 4."""
+    """LoRA L at /p, image imgA at offset 2 (length 5), salt S, block size 4."""
     lora = SimpleNamespace(lora_name="L", lora_path="/p", lora_int_id=1)
     image = SimpleNamespace(identifier="imgA", mm_position=SimpleNamespace(offset=2, length=5))
     tokens = list(range(100, 113))
@@ -344,7 +345,7 @@ def test_extra_keys_nesting_limit(backend: ModuleType) -> None:
 
 
 def test_numpy_style_token_ids(backend: ModuleType) -> None:
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 (only this test uses numpy)
 
     hasher = backend.BlockHasher(4, "sha256", "np")
     tokens = np.arange(1, 11, dtype=np.int64)

@@ -78,7 +78,7 @@ def test_appends_keep_the_hashes_current(
 
 
 def test_numpy_token_ids(backend: ModuleType) -> None:
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 (only this test uses numpy)
 
     hasher = backend.BlockHasher(2, "sha256", "np")
     request = backend.Request("r", np.arange(3, dtype=np.int64), block_hasher=hasher)

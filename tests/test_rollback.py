@@ -1,11 +1,10 @@
 """Rollback of invalid blocks: vLLM 0.33.0's worked examples, strict mode, hostile input.
 
-The worked examples are those of the behaviour notes (section 5.8), at the level of the
-scheduler methods: "sync r1" is a running request whose 100-block table holds 1600
-computed tokens, 16 of them scheduled in this step (99 blocks scanned); "r2 shares" is a
-request whose first 50 blocks are r1's and which scheduled 800 new tokens. Every error
-test checks that the call changed nothing. The golden vectors are replayed by
-``tests/test_golden.py``.
+The worked examples run at the level of the scheduler methods: "sync r1" is a running
+request whose 100-block table holds 1600 computed tokens, 16 of them scheduled in this
+step (99 blocks scanned); "r2 shares" is a request whose first 50 blocks are r1's and
+which scheduled 800 new tokens. Every error test checks that the call changed nothing.
+The golden vectors are replayed by ``tests/test_golden.py``.
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ def progress_bar(done: int, total: int, width: int) -> str:
 def headless_pyplot() -> Any:
     """``matplotlib.pyplot`` on the file-only Agg backend, or None without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 (matplotlib is optional)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (only after choosing the Agg backend)
     except ImportError:
         return None
     return plt

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return demo()
     if args.command == "bench":
-        from kvblocks import bench as bench_module
+        from kvblocks import bench as bench_module  # noqa: PLC0415 (only `kvblocks bench` loads the bench)
 
         return bench_module.main(args.workload, args.quick, args.rounds, args.out)
     if args.command == "simulate":

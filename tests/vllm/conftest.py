@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 
-SKIP_REASON = "vLLM 0.33 not installed: run .ci/run, or see README 'Use it in vLLM'"
+SKIP_REASON = "vLLM 0.33 not installed: run .ci/run, or see docs/vllm.md (its CPU recipe)"
 
 
 def _vllm_missing() -> str | None:
@@ -58,7 +58,7 @@ else:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding only a tiny llama ``config.json`` (all vLLM reads of it)."""
-    from kvblocks.vllm.cpu import write_config_only_model
+    from kvblocks.vllm.cpu import write_config_only_model  # noqa: PLC0415 (imports vLLM, which this conftest must not do when it is missing)
 
     return write_config_only_model(tmp_path_factory.mktemp("tiny-llama"))
 

@@ -6,8 +6,8 @@ imports it by name to build :class:`DiffFakeConnector` (``kv_connector_module_pa
 
 * :func:`make_scenario` turns ``(family, seed, engine)`` into a :class:`Scenario`, with a
   ``random.Random`` seeded by a string (so nothing depends on ``PYTHONHASHSEED``).
-* :func:`run_scenario` builds ``VllmConfig``/``KVCacheConfig``/the scheduler as in the
-  reference recipe (``vllm-0.33-scheduler-interface.md`` section 9) and drives it, either as
+* :func:`run_scenario` builds ``VllmConfig``/``KVCacheConfig``/the scheduler (the model a
+  directory holding only ``config.json``, one full-attention group) and drives it, either as
   a synchronous engine (``EngineCore.step``) or as a depth-2 pipeline
   (``EngineCore.step_with_batch_queue``), recording per step the normalised
   ``SchedulerOutput``, the ``EngineCoreOutputs`` (with ``prefill_stats`` and
@@ -588,7 +588,8 @@ def _is_error_output(output: dict[str, Any]) -> bool:
 
 
 def build_vllm_config(scn: Scenario, model_dir: Path) -> VllmConfig:
-    """``VllmConfig`` for ``scn`` per the recipe; async engines get ``async_scheduling``."""
+    """``VllmConfig`` for ``scn`` (a config-only model, no tokenizer); async engines get
+    ``async_scheduling``."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=scn.max_num_seqs,
         max_num_batched_tokens=scn.max_num_batched_tokens,
@@ -1176,7 +1177,7 @@ def stock_class(scn: Scenario) -> type[Scheduler]:
 
 def kvblocks_class(scn: Scenario) -> type[Scheduler]:
     """kvblocks' scheduler subclass for the scenario's engine."""
-    from kvblocks.vllm import KVBlocksAsyncScheduler, KVBlocksScheduler
+    from kvblocks.vllm import KVBlocksAsyncScheduler, KVBlocksScheduler  # noqa: PLC0415 (the stock candidate never needs it)
 
     return KVBlocksAsyncScheduler if scn.is_async else KVBlocksScheduler
 
@@ -1249,8 +1250,8 @@ def main(argv: list[str]) -> int:
     vLLM's scheduler and on the candidate (N times), print the first difference.
     ``harness.py --failing-together [stock|kvblocks] [--repeat N] [--seeds S]``: the
     check of :func:`failing_together`."""
-    import argparse
-    import tempfile
+    import argparse  # noqa: PLC0415 (only the command line needs it)
+    import tempfile  # noqa: PLC0415 (only the command line needs it)
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("scenario_id", nargs="?", help="e.g. connector-s3-async")

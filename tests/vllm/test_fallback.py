@@ -53,7 +53,7 @@ NUM_BLOCKS = 64
 @pytest.fixture(scope="module")
 def kvb() -> ModuleType:
     try:
-        import kvblocks.vllm
+        import kvblocks.vllm  # noqa: PLC0415 (a failed import fails the test, with the reason)
     except ImportError as exc:
         pytest.fail(f"kvblocks.vllm is not importable in this environment: {exc}")
     return kvblocks.vllm

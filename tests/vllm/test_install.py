@@ -26,7 +26,7 @@ _SCHEDULER_GLOBALS = vars(scheduler_module)
 def kvb() -> Iterator[ModuleType]:
     """``kvblocks.vllm``, uninstalled again after the test whatever happened."""
     try:
-        import kvblocks.vllm
+        import kvblocks.vllm  # noqa: PLC0415 (a failed import fails the test, with the reason)
     except ImportError as exc:
         pytest.fail(f"kvblocks.vllm is not importable in this environment: {exc}")
     assert _SCHEDULER_GLOBALS["KVCacheManager"] is VllmKVCacheManager, "installed before the test"

@@ -1,5 +1,6 @@
-"""The README's vLLM example: vLLM's real Scheduler runs every request to completion with
-kvblocks' KV cache manager, and schedules exactly as it does with vLLM's own manager."""
+"""``examples/vllm_scheduler.py``, the CPU example of docs/vllm.md: vLLM's real Scheduler runs
+every request to completion with kvblocks' KV cache manager, and schedules exactly as it
+does with vLLM's own manager."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def run_example(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kvblocks_lines() -> list[str]:
-    """The example as the README runs it: kvblocks.vllm.KVBlocksScheduler."""
+    """The example as docs/vllm.md runs it: kvblocks.vllm.KVBlocksScheduler."""
     assert importlib.util.find_spec("kvblocks.vllm") is not None, "kvblocks.vllm is missing"
     return run_example()
 

@@ -11,7 +11,7 @@ import pytest
 
 
 def test_an_unknown_mode_is_refused(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
-    from kvblocks.vllm import KVBlocksScheduler
+    from kvblocks.vllm import KVBlocksScheduler  # noqa: PLC0415 (as in the other tests here, imported where used)
 
     monkeypatch.setenv("KVBLOCKS_ROLLBACK_MODE", "lenient")
     scn = harness.make_scenario("connector", 0, "sync")

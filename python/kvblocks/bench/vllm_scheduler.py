@@ -162,7 +162,7 @@ def _script(num_requests: int, seed: int) -> _Script:
 @functools.lru_cache(maxsize=1)
 def _model_dir() -> str:
     """A directory holding only a tiny Llama ``config.json``: the model vLLM's configs need."""
-    from kvblocks.vllm.cpu import write_config_only_model
+    from kvblocks.vllm.cpu import write_config_only_model  # noqa: PLC0415 (kvblocks.vllm imports vLLM)
 
     path = Path(tempfile.mkdtemp(prefix="kvblocks-bench-model-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)

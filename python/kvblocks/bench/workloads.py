@@ -205,9 +205,9 @@ def _chat_run(script: _ChatScript, event_mode: str) -> Callable[[ModuleType, Any
     # Imports and the encoder are set up here, when the workload is built, not timed.
     encode: Callable[[list[Any]], Any] | None = None
     if event_mode == "on+encode":
-        import msgspec
+        import msgspec  # noqa: PLC0415 (msgspec is optional)
 
-        from kvblocks.events import KVEventBatch
+        from kvblocks.events import KVEventBatch  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
 
         encoder = msgspec.msgpack.Encoder()
 
@@ -344,7 +344,7 @@ def hashing(
     tokens = [rng.randrange(150_000) for _ in range(num_tokens)]
     prompt: Any = tokens
     if via == "request_numpy":
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 (numpy is optional)
 
         prompt = np.asarray(tokens, dtype=np.int64)
 
@@ -417,7 +417,7 @@ def rollback(num_requests: int, native_input: str = "numpy", seed: int = 0) -> W
     data = _rollback_input(num_requests, 1_000, seed)
     native_tables: list[Any] = data.tables
     if native_input == "numpy":
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 (numpy is optional)
 
         native_tables = [np.asarray(t, dtype=np.int64) for t in data.tables]
 
@@ -626,7 +626,7 @@ def all_workloads(quick: bool = False) -> list[WorkloadSpec]:
     n = 256 if quick else 1_024
     out.append(_spec(f"rollback_manager_{n}", rollback_manager, n))
     # vLLM's Scheduler with kvblocks' manager and with its own: only when both import.
-    from kvblocks.bench import vllm_scheduler
+    from kvblocks.bench import vllm_scheduler  # noqa: PLC0415 (cycle: bench.vllm_scheduler imports this module)
 
     out += vllm_scheduler.workload_specs(quick)
     return out

@@ -126,7 +126,7 @@ class ZmqEventPublisher:
         sequence_in_batch: bool = False,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        import zmq
+        import zmq  # noqa: PLC0415 (pyzmq is optional)
 
         for name, value in (
             ("buffer_steps", buffer_steps),
@@ -321,7 +321,7 @@ class ZmqEventPublisher:
 
     def _serve_pending_replays(self) -> int:
         """Answers every replay request already waiting; returns how many."""
-        import zmq
+        import zmq  # noqa: PLC0415 (pyzmq is optional)
 
         replay = self._replay
         if replay is None:
@@ -346,7 +346,7 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         """The background thread: sends queued batches in order, answers replays, and
         returns once the publisher is shut down and the queue is empty."""
-        import zmq
+        import zmq  # noqa: PLC0415 (pyzmq is optional)
 
         work = self._queue
         if work is None:
@@ -374,7 +374,7 @@ class ZmqEventPublisher:
 
 def _last_endpoint(sock: zmq.Socket[bytes], fallback: str) -> str:
     """The address a socket is bound to (the system-picked port included)."""
-    import zmq
+    import zmq  # noqa: PLC0415 (pyzmq is optional)
 
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     if isinstance(last, bytes) and last:
@@ -407,7 +407,7 @@ class EventSubscriber:
         topic: str = "",
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        import zmq
+        import zmq  # noqa: PLC0415 (pyzmq is optional)
 
         ctx = context if context is not None else zmq.Context.instance()
         self._decoder = msgspec.msgpack.Decoder(type=SequencedKVEventBatch)

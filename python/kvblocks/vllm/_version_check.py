@@ -6,15 +6,15 @@ from __future__ import annotations
 SUPPORTED_SERIES = "0.33."
 
 INSTALL_HINT = (
-    "install it with pip install 'kvblocks[vllm]' (or see the README's 'Use it in vLLM' "
-    "for the CPU-only recipe)"
+    "install it with pip install 'kvblocks[vllm]' (or see docs/vllm.md, \"vLLM's scheduler "
+    'on a CPU", for the CPU-only recipe)'
 )
 
 
 def require_vllm() -> None:
     """Raises ImportError naming the fix unless vLLM 0.33.x is importable."""
     try:
-        import vllm
+        import vllm  # noqa: PLC0415 (vLLM is optional: this is the check)
     except ImportError as err:
         raise ImportError(
             f"kvblocks.vllm needs vLLM 0.33.x, which is not installed: {INSTALL_HINT}"

@@ -379,7 +379,7 @@ fn absurdly_large_ids_use_the_hash_set_and_stay_exact() {
 
 #[test]
 fn a_deeper_shared_block_marked_after_truncation_does_not_truncate_later_requests() {
-    // §5.5: request 0 truncates at block 10 and still marks block 20, so request 1,
+    // Request 0 truncates at block 10 and still marks block 20, so request 1,
     // whose only invalid block is 20, reverts instead of truncating; strict truncates it.
     let tables: [&[i64]; 2] = [&[1, 10, 20, 2], &[3, 20, 4]];
     let batch = Batch {
