@@ -427,7 +427,7 @@ impl PyVllmManager {
         ),
         text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses)"
     )]
-    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: i64,
@@ -437,8 +437,10 @@ impl PyVllmManager {
         log_stats: Flag,
         enable_kv_cache_events: Flag,
         watermark: f64,
-        admission_statuses: Vec<i64>,
+        admission_statuses: &Bound<'_, PyAny>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        // Converted by the binding's own reader: never sized from a claimed length.
+        let admission_statuses = int_column(admission_statuses)?.into_vec();
         let mut base = PyKVCacheManager::new(
             py,
             num_blocks,
