@@ -44,7 +44,7 @@ import xxhash as _xxhash
 
 from kvblocks.constants import HASH_ALGORITHMS
 from kvblocks.extra_keys import ExtraKeys, generate_block_hash_extra_keys
-from kvblocks.reference.kv_cache_utils import INT64_MAX, INT64_MIN, to_int
+from kvblocks.reference.kv_cache_utils import INT64_MAX, INT64_MIN, exact_str, to_int
 
 __all__ = [
     "DEFAULT_SEED",
@@ -183,11 +183,7 @@ def resolve_seed(seed: str | None, algo: str) -> str:
     if seed is not None:
         if not isinstance(seed, str):
             raise TypeError(f"seed must be a str or None, got {type(seed).__name__}")
-        # A subclass is read as its contents, as natively; it must encode as UTF-8.
-        seed = str.__str__(seed)
-        if not seed.isascii():
-            seed.encode("utf-8")
-        return seed
+        return exact_str(seed)
     env_seed = os.environ.get("PYTHONHASHSEED")
     if env_seed is not None:
         return env_seed

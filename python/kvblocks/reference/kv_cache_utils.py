@@ -32,6 +32,7 @@ __all__ = [
     "check_group_id",
     "check_non_negative",
     "check_positive",
+    "exact_str",
     "materialise",
     "to_block_hash",
     "to_block_hashes",
@@ -182,6 +183,15 @@ def to_request_id(value: object, name: str = "request_id") -> str:
     """
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return exact_str(value)
+
+
+def exact_str(value: str) -> str:
+    """``value``'s contents as an exact ``str``, which must encode as UTF-8, as natively.
+
+    Raises:
+        UnicodeEncodeError: ``value`` holds a lone surrogate.
+    """
     # `str.__str__` copies a subclass's contents, bypassing its dunders.
     text = str.__str__(value)
     if not text.isascii():
