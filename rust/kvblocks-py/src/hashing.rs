@@ -24,39 +24,14 @@ use kvblocks_core::hashing::{
 };
 use kvblocks_core::new_blocks::{block_extra_keys, new_blocks, ExtraKeySource};
 use kvblocks_core::{BlockHash, Error};
-use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
-use crate::convert::{int_column_with, type_name, Given, IntColumn};
+use crate::convert::{token_ids, type_name, Given};
 use crate::errors::{to_py, IntoPyResult, StashedError};
 use crate::request::PyRequest;
-
-// ----------------------------------------------------------------------------- token ids
-
-/// One token id, as the reference's `check_token_ids` takes it: `operator.index`, then
-/// the signed 64-bit range.
-pub fn token_id(item: &Bound<'_, PyAny>) -> PyResult<i64> {
-    item.extract::<i64>().or_else(|err| {
-        if !err.is_instance_of::<PyOverflowError>(item.py()) {
-            return Err(err);
-        }
-        // An integer beyond 64 bits: the message names its value.
-        let index = item.py().import("operator")?.getattr("index")?;
-        let value = index.call1((item,))?;
-        Err(PyValueError::new_err(format!(
-            "token id {value} does not fit in a signed 64-bit integer"
-        )))
-    })
-}
-
-/// Token ids from a list, tuple, integer buffer (NumPy array) or any iterable, with the
-/// reference's errors: the first bad id decides, `operator.index`'s `TypeError` for a
-/// non-integer and `token id {x} does not fit in a signed 64-bit integer` past 64 bits.
-pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
-    int_column_with(obj, token_id)
-}
 
 // ----------------------------------------------------------------------------- extra keys
 
@@ -639,7 +614,7 @@ impl PyBlockHasher {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let py = parent.py();
         let parent = parent_arg(parent)?;
-        let tokens = self::token_ids(token_ids)?;
+        let tokens = crate::convert::token_ids(token_ids)?;
         let mut ids = self.identities(py, parent);
         let extra = extra_keys.map(|k| extra_key(k, &mut ids, 0)).transpose()?;
         let hash = self.inner.hash_block(
@@ -675,7 +650,7 @@ impl PyBlockHasher {
         extra_keys: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let py = token_ids.py();
-        let tokens = self::token_ids(token_ids)?;
+        let tokens = crate::convert::token_ids(token_ids)?;
         let parent = match parent {
             Some(p) => parent_arg(p)?,
             None => None,

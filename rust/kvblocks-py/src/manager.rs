@@ -17,10 +17,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{int_column, Flag};
+use crate::convert::{int_column, Flag, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::events::{take_events, EventState, RequestTokens};
-use crate::pool::{HashSeq, PyBlockPool};
+use crate::pool::PyBlockPool;
 use crate::request::PyRequest;
 
 /// A duck-typed request's `block_hashes`, converted lazily: the manager asks only for

@@ -15,10 +15,9 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::OnceLock;
 
-use crate::convert::{to_list, type_name, Given};
+use crate::convert::{block_hashes, to_list, token_id, token_ids, type_name, Given};
 use crate::errors::to_py;
-use crate::hashing::{token_id, token_ids, NativeRequest, PyBlockHasher, RequestAttrs};
-use crate::pool::block_hashes;
+use crate::hashing::{NativeRequest, PyBlockHasher, RequestAttrs};
 
 /// A request's token ids and the hashes of its full blocks.
 ///
