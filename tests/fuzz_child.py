@@ -265,8 +265,15 @@ class Side:
                 request.num_computed_tokens = request.num_tokens
 
     def note_id(self, request_id: object) -> None:
-        if type(request_id) is str and request_id not in self.request_ids:
-            self.request_ids.append(request_id)
+        """Remembers an id whose block table the snapshot reads: only ids a manager can
+        hold (an exact ``str`` that encodes as UTF-8; any other is refused on entry)."""
+        if type(request_id) is not str or request_id in self.request_ids:
+            return
+        try:
+            request_id.encode("utf-8")
+        except UnicodeEncodeError:
+            return
+        self.request_ids.append(request_id)
 
     def table(self, index: int) -> list[int]:
         return self.tables[index % len(self.tables)] if self.tables else []
@@ -523,6 +530,10 @@ def run_step(
     return problems
 
 
+#: A manager's answer for a request it holds no blocks for, as the snapshot records it.
+NO_TABLE = ["tuple", [["list", []]]]
+
+
 def changed_on_error(pre: dict[str, Any], post: dict[str, Any]) -> tuple[str, Any, Any] | None:
     """The first change a failed call made (stats and events: any at all)."""
     # The harness's own record of held tables is popped while arguments are built,
@@ -545,6 +556,13 @@ def changed_on_error(pre: dict[str, Any], post: dict[str, Any]) -> tuple[str, An
                 return f"mgr.{key}", None, qm[key]
             pm.pop(key)
             qm.pop(key)
+        # Ids first seen while this call's arguments were built have no table before:
+        # after a failed call they must still hold none.
+        known = len(pm["tables"])
+        for i, table in enumerate(qm["tables"][known:], known):
+            if table != NO_TABLE:
+                return f"mgr.tables[{i}]", NO_TABLE, table
+        qm["tables"] = qm["tables"][:known]
         pre["mgr"], post["mgr"] = pm, qm
     return first_difference(pre, post)
 
