@@ -344,3 +344,9 @@ def test_value_classes_store_plain_values(backend: ModuleType) -> None:
     outcome_ = backend.InvalidBlocksOutcome(frozenset({Id("a")}), set(), set(), set(), 0)
     assert outcome_.failed_req_ids == {"a"}
     assert all(type(i) is str for i in outcome_.failed_req_ids)
+
+
+def test_numpy_bools_are_bools_in_value_classes(backend: ModuleType) -> None:
+    np = pytest.importorskip("numpy")
+    assert backend.PrefixCacheStats(reset=np.True_).reset is True
+    assert backend.KVCacheBlock(0, 0, None, None, np.False_).is_null is False

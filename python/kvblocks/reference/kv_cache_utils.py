@@ -164,14 +164,17 @@ def to_field_set(value: object, item: Callable[[Any], Any]) -> set[Any]:
 
 
 def to_flag(value: object) -> bool:
-    """An exact ``bool`` field.
+    """A ``bool`` field: a ``bool``, or NumPy's, as the native classes take it.
 
     Raises:
-        TypeError: ``value`` is not a ``bool``.
+        TypeError: ``value`` is neither.
     """
-    if not isinstance(value, bool):
-        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'bool'")
-    return value
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in {"bool", "bool_"}:
+        return bool(value)
+    raise TypeError(f"'{kind.__name__}' object is not an instance of 'bool'")
 
 
 def to_request_id(value: object, name: str = "request_id") -> str:

@@ -153,7 +153,7 @@ class InvalidBlocksOutcome:
 
     def __post_init__(self) -> None:
         for name in ("failed_req_ids", "rescheduled_req_ids", "retry_req_ids"):
-            object.__setattr__(self, name, to_field_set(getattr(self, name), _exact_id))
+            object.__setattr__(self, name, to_field_set(getattr(self, name), to_request_id))
         object.__setattr__(self, "evicted_block_ids", to_field_set(self.evicted_block_ids, to_int))
         object.__setattr__(self, "total_affected_tokens", to_uint(self.total_affected_tokens, 128))
 
@@ -456,12 +456,6 @@ def handle_failed_recving(
         evicted_block_ids=set(),
         total_affected_tokens=sum(lost),
     )
-
-
-def _exact_id(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"'{type(value).__name__}' object is not an instance of 'str'")
-    return to_request_id(value)
 
 
 #: ``num_scheduled_tokens`` holds no entry for the request.

@@ -63,10 +63,7 @@ impl<'py> PyHashes<'py> {
 
     /// The core result, or the Python error the conversion hit.
     pub(crate) fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
-        match self.error.take() {
-            Some(err) => Err(err),
-            None => result.py(),
-        }
+        self.error.finish(result)
     }
 }
 

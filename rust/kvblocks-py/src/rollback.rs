@@ -405,10 +405,11 @@ impl<'py> RequestColumns<'py> {
     }
 }
 
-/// The binding's one [`RollbackTarget`]: the manager the eviction goes to and the
-/// requests of both passes. Python errors are kept in `error` for the caller to raise.
+/// The binding's one [`RollbackTarget`]: the manager the eviction goes to (none for
+/// `handle_failed_recving`, which evicts nothing) and the requests of both passes.
+/// Python errors are kept in `error` for the caller to raise.
 struct Target<'a, 'py> {
-    manager: &'a Bound<'py, PyAny>,
+    manager: Option<&'a Bound<'py, PyAny>>,
     waiting: &'a [Bound<'py, PyAny>],
     running: &'a [Bound<'py, PyAny>],
     error: &'a StashedError,
@@ -424,9 +425,12 @@ impl RollbackTarget for Target<'_, '_> {
     /// Evicts in the order vLLM does: by iterating the set it built from `block_ids`,
     /// so the removal events come out alike.
     fn evict_blocks(&mut self, block_ids: &[i64]) -> kvblocks_core::Result<()> {
+        let Some(manager) = self.manager else {
+            return Ok(());
+        };
         let evicted = (|| {
-            let to_evict = ordered_set(self.manager.py(), block_ids.iter().copied())?;
-            match self.manager.cast::<PyKVCacheManager>() {
+            let to_evict = ordered_set(manager.py(), block_ids.iter().copied())?;
+            match manager.cast::<PyKVCacheManager>() {
                 Ok(native) => {
                     let order = to_evict
                         .iter()
@@ -435,7 +439,7 @@ impl RollbackTarget for Target<'_, '_> {
                     native.try_borrow_mut()?.inner.evict_blocks(&order).py()?;
                 }
                 Err(_) => {
-                    self.manager.call_method1("evict_blocks", (to_evict,))?;
+                    manager.call_method1("evict_blocks", (to_evict,))?;
                 }
             }
             Ok(())
@@ -572,7 +576,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let to_evict = ordered_set(py, sequence.iter().copied())?;
     let stash = StashedError::default();
     let mut target = Target {
-        manager: kv_cache_manager,
+        manager: Some(kv_cache_manager),
         waiting: &[],
         running: &cols.requests,
         error: &stash,
@@ -680,7 +684,7 @@ pub fn handle_invalid_blocks<'py>(
 
     let stash = StashedError::default();
     let mut target = Target {
-        manager: kv_cache_manager,
+        manager: Some(kv_cache_manager),
         waiting: &waiting.requests,
         running: &sync.requests,
         error: &stash,
@@ -755,7 +759,7 @@ pub fn handle_failed_recving(
             .map_err(|err| stash.keep(err, "reading num_computed_tokens"))
     };
     let mut target = Target {
-        manager: failed_req_ids,
+        manager: None,
         waiting: &waiting,
         running: &[],
         error: &stash,
