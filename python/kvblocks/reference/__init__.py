@@ -2,7 +2,8 @@
 
 File names follow vLLM's ``v1/core`` so the two can be read side by side. It exports the
 same names, signatures, docstrings and error classes as the native backend
-(``kvblocks._native``); ``tests/test_parity.py`` checks that.
+(``kvblocks._native``), whose docstrings, text signatures and stub are generated from
+this package by ``tools/api_copies.py``.
 """
 
 from kvblocks.reference.block_pool import BlockPool

@@ -122,6 +122,8 @@ class RollbackResult:
     affected: list[int]
     total_affected_tokens: int
     blocks_to_evict: list[int]
+    # Unhashable, as natively: its fields are lists.
+    __hash__ = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_computed_tokens", to_int_list(self.num_computed_tokens))
@@ -150,6 +152,8 @@ class InvalidBlocksOutcome:
     retry_req_ids: set[str]
     evicted_block_ids: set[int]
     total_affected_tokens: int
+    # Unhashable, as natively: its fields are sets.
+    __hash__ = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for name in ("failed_req_ids", "rescheduled_req_ids", "retry_req_ids"):

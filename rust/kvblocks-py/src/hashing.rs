@@ -10,9 +10,8 @@
 //! Speed: token ids of exact lists and tuples are read with no reference counting, and
 //! a native `Request` is hashed from its `Vec` with no Python call per block.
 
-// The `///` comments of the Python-visible items are the reference's docstrings, copied
-// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
-// markdown, so the markdown lint does not apply to them.
+// The Python-visible items' docs are the reference's docstrings (reST, from
+// `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
 use std::collections::hash_map::Entry;
@@ -343,10 +342,7 @@ fn request_extra_keys(
 
 // ----------------------------------------------------------------------------- the class
 
-/// Computes vLLM block hashes for one algorithm, block size and seed.
-///
-/// Also vLLM's per-request ``block_hasher``: calling it on a request returns the hashes
-/// of the request's full blocks that ``request.block_hashes`` does not hold yet.
+#[doc = docstring!(BlockHasher)]
 #[pyclass(module = "kvblocks._native", name = "BlockHasher", frozen)]
 pub struct PyBlockHasher {
     inner: CoreHasher,
@@ -510,7 +506,7 @@ impl PyBlockHasher {
     #[new]
     #[pyo3(
         signature = (block_size, algo = Given::Absent, seed = None),
-        text_signature = "(block_size, algo='sha256', seed=None)"
+        text_signature = None
     )]
     fn new(
         py: Python<'_>,
@@ -557,25 +553,25 @@ impl PyBlockHasher {
         Ok(Self { inner, none_hash })
     }
 
-    /// Tokens per block.
+    #[doc = docstring!(BlockHasher.block_size)]
     #[getter]
     fn block_size(&self) -> usize {
         self.inner.block_size()
     }
 
-    /// The hash algorithm's name.
+    #[doc = docstring!(BlockHasher.algo)]
     #[getter]
     fn algo(&self) -> &'static str {
         self.inner.algo().name()
     }
 
-    /// The resolved seed string.
+    #[doc = docstring!(BlockHasher.seed)]
     #[getter]
     fn seed(&self) -> &str {
         self.inner.seed()
     }
 
-    /// ``hash(seed)``: the parent of every first block.
+    #[doc = docstring!(BlockHasher.none_hash)]
     #[getter]
     fn none_hash(&self, py: Python<'_>) -> Py<PyBytes> {
         self.none_hash.clone_ref(py)
@@ -590,22 +586,8 @@ impl PyBlockHasher {
         )
     }
 
-    /// ``hash((parent or none_hash, tuple(token_ids), extra_keys))``.
-    ///
-    /// Any number of tokens is hashed, as vLLM's ``hash_block_tokens`` does.
-    ///
-    /// Args:
-    ///     parent: The previous block's hash; ``None`` or ``b""`` for a first block.
-    ///     token_ids: The block's token ids.
-    ///     extra_keys: ``None`` or the block's extra keys.
-    ///
-    /// Returns:
-    ///     The block hash.
-    ///
-    /// Raises:
-    ///     TypeError: For a bad parent, token id or extra key type.
-    ///     ValueError: For a token id outside the int64 range or too-deep extra keys.
-    #[pyo3(signature = (parent, token_ids, extra_keys = None))]
+    #[doc = docstring!(BlockHasher.hash_block)]
+    #[pyo3(signature = (parent, token_ids, extra_keys = None), text_signature = None)]
     fn hash_block<'py>(
         &self,
         parent: &Bound<'py, PyAny>,
@@ -625,24 +607,8 @@ impl PyBlockHasher {
         Ok(PyBytes::new(py, hash.as_bytes()))
     }
 
-    /// The hashes of the full blocks of ``token_ids``, chained from ``parent``.
-    ///
-    /// A partial last block is not hashed.
-    ///
-    /// Args:
-    ///     token_ids: The token ids, from the first block to hash.
-    ///     parent: The hash before the first block; ``None`` or ``b""`` for a chain
-    ///         start.
-    ///     extra_keys: ``None``, or a list (or tuple) with one entry per full block.
-    ///
-    /// Returns:
-    ///     One hash per full block.
-    ///
-    /// Raises:
-    ///     TypeError: For a bad parent, token id, ``extra_keys`` container or key type.
-    ///     ValueError: For a token id outside the int64 range, too-deep extra keys, or
-    ///         an ``extra_keys`` list of the wrong length.
-    #[pyo3(signature = (token_ids, parent = None, extra_keys = None))]
+    #[doc = docstring!(BlockHasher.hash_blocks)]
+    #[pyo3(signature = (token_ids, parent = None, extra_keys = None), text_signature = None)]
     fn hash_blocks<'py>(
         &self,
         token_ids: &Bound<'py, PyAny>,
@@ -672,24 +638,7 @@ impl PyBlockHasher {
         hash_list(py, &hashes)
     }
 
-    /// vLLM's ``block_hasher``: hashes of the request's new full blocks.
-    ///
-    /// Hashes every full block after the first ``len(request.block_hashes)`` ones,
-    /// chained from ``request.block_hashes[-1]``, with the extra keys vLLM 0.33.0
-    /// derives from the request (LoRA, multimodal items, cache salt).
-    ///
-    /// Args:
-    ///     request: Any object with ``all_token_ids``, ``num_tokens`` and
-    ///         ``block_hashes`` (and optionally the attributes listed on
-    ///         ``HashableRequest``).
-    ///
-    /// Returns:
-    ///     The new hashes, in block order, for the caller to append.
-    ///
-    /// Raises:
-    ///     TypeError: When the request has ``prompt_embeds`` (not supported), or for
-    ///         bad token ids or extra keys.
-    ///     ValueError: For token ids outside the int64 range or too-deep extra keys.
+    #[doc = docstring!(BlockHasher.__call__)]
     #[pyo3(name = "_call")]
     fn call<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let py = request.py();

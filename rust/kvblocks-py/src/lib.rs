@@ -1,5 +1,8 @@
 //! `kvblocks._native`: `PyO3` bindings of kvblocks-core. Conversions and delegation only.
 
+#[macro_use]
+mod docstrings;
+
 mod convert;
 mod errors;
 mod events;

@@ -1,9 +1,8 @@
 //! `KVCacheManager` and `PrefixCacheStats` for Python: request conversion around
 //! `kvblocks_core::manager::KVCacheManager`. Block tables stay in Rust.
 
-// The `///` comments of the Python-visible items are the reference's docstrings, copied
-// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
-// markdown, so the markdown lint does not apply to them.
+// The Python-visible items' docs are the reference's docstrings (reST, from
+// `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
 use std::ops::Range;
@@ -163,17 +162,7 @@ impl<'py> RequestArg<'py> {
     }
 }
 
-/// Prefix-cache counters since the last ``KVCacheManager.make_prefix_cache_stats()``.
-///
-/// Attributes:
-///     requests: Requests recorded (one per admission that looked the cache up).
-///     queries: Tokens looked up: the sum of the recorded requests' ``num_tokens``.
-///     hits: Tokens found in the prefix cache.
-///     reset: Whether ``KVCacheManager.reset_prefix_cache()`` emptied the cache meanwhile
-///         (vLLM's flag of that name).
-///
-/// Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
-/// or impossible values, and nothing decrements them.
+#[doc = docstring!(PrefixCacheStats)]
 #[pyclass(
     module = "kvblocks._native",
     name = "PrefixCacheStats",
@@ -196,7 +185,7 @@ pub struct PyPrefixCacheStats {
 #[pymethods]
 impl PyPrefixCacheStats {
     #[new]
-    #[pyo3(signature = (requests=0, queries=0, hits=0, reset=false))]
+    #[pyo3(signature = (requests=0, queries=0, hits=0, reset=false), text_signature = None)]
     fn new(requests: u64, queries: u64, hits: u64, reset: bool) -> Self {
         Self {
             requests,
@@ -228,36 +217,7 @@ impl From<PrefixCacheStats> for PyPrefixCacheStats {
     }
 }
 
-/// Block tables of running requests over a :class:`BlockPool`, with prefix caching.
-///
-/// Args:
-///     num_blocks: Blocks in the pool, including the null block. Must be positive.
-///     block_size: Tokens per block. Must be positive.
-///     enable_caching: Whether to look up and fill the prefix cache.
-///     max_model_len: If given (positive), token counts are capped at it, as vLLM does.
-///     log_stats: Whether to keep :class:`PrefixCacheStats`.
-///     enable_kv_cache_events: Whether to record KV cache events for
-///         :meth:`take_events` (vLLM's ``BlockStored``, ``BlockRemoved`` and
-///         ``AllBlocksCleared``, see :mod:`kvblocks.events`; needs ``msgspec``). Block
-///         hashes in events are ints unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``,
-///         read here, asks for bytes.
-///     kv_events_last_copy_removal: Router-grade option beyond vLLM: emit
-///         ``BlockRemoved`` for a hash only when the last block caching it goes (vLLM
-///         emits one per block, also while a duplicate still serves the hash).
-///
-/// Raises:
-///     TypeError: a count is not an int.
-///     ValueError: ``num_blocks must be positive, got {n}``, ``block_size must be
-///         positive, got {n}`` or ``max_model_len must be positive, got {n}``; with
-///         events on, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is not an integer.
-///     ImportError: events are on and ``msgspec`` is not installed.
-///
-/// Invariants:
-///     * ``_req_to_blocks[r]`` is request ``r``'s block table; the pool holds one
-///       reference per appearance of a block in the tables (and in touches made outside);
-///     * ``_num_cached_block[r]`` (present once ``r`` adopted hits or external tokens, or
-///       had a full block cached) is how many leading blocks of its table are hashed;
-///       a request in it is "known" and cannot adopt prefix hits any more.
+#[doc = docstring!(KVCacheManager)]
 #[pyclass(module = "kvblocks._native", name = "KVCacheManager", subclass)]
 pub struct PyKVCacheManager {
     pub inner: CoreManager,
@@ -279,7 +239,7 @@ impl PyKVCacheManager {
             log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE,
             kv_events_last_copy_removal=Flag::FALSE
         ),
-        text_signature = "(num_blocks, block_size, *, enable_caching=True, max_model_len=None, log_stats=False, enable_kv_cache_events=False, kv_events_last_copy_removal=False)"
+        text_signature = None
     )]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     pub(crate) fn new(
@@ -320,7 +280,7 @@ impl PyKVCacheManager {
         })
     }
 
-    /// The pool the block tables draw from.
+    #[doc = docstring!(KVCacheManager.block_pool)]
     #[getter]
     fn block_pool(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
         let py = slf.py();
@@ -348,92 +308,43 @@ impl PyKVCacheManager {
         self.pool_view.take();
     }
 
-    /// Tokens per block.
+    #[doc = docstring!(KVCacheManager.block_size)]
     #[getter]
     fn block_size(&self) -> i64 {
         self.block_size
     }
 
-    /// Always 1: one full-attention group.
+    #[doc = docstring!(KVCacheManager.num_kv_cache_groups)]
     #[getter]
     fn num_kv_cache_groups(&self) -> usize {
         self.inner.num_kv_cache_groups()
     }
 
-    /// Whether prefix caching is on.
+    #[doc = docstring!(KVCacheManager.enable_caching)]
     #[getter]
     fn enable_caching(&self) -> bool {
         self.inner.enable_caching()
     }
 
-    /// The pool's usage, ``1 - free / (num_blocks - 1)``.
+    #[doc = docstring!(KVCacheManager.usage)]
     #[getter]
     fn usage(&self) -> f64 {
         self.inner.usage()
     }
 
-    /// Finds the longest prefix of the request's blocks in the prefix cache.
-    ///
-    /// Scans ``request.block_hashes`` from block 0 and stops at the first miss (the
-    /// hashes are chained, so nothing later can hit). The hit is capped at
-    /// ``num_tokens - 1`` tokens: the last token is always recomputed for its logits, so a
-    /// block-aligned prompt recomputes its whole last block. Nothing is touched; pass the
-    /// result to :meth:`allocate_slots`, which adopts the hits.
-    ///
-    /// Returns:
-    ///     The hit block ids and the number of tokens they cover (``len * block_size``);
-    ///     ``([], 0)`` with caching off.
-    ///
-    /// Raises:
-    ///     TypeError: ``request.num_tokens`` is not an int or a hash is not ``bytes``.
-    ///     ValueError: ``num_tokens must be non-negative, got {v}``, or a hash is longer
-    ///         than 32 bytes.
+    #[doc = docstring!(KVCacheManager.get_computed_blocks)]
+    #[pyo3(text_signature = None)]
     fn get_computed_blocks(&self, request: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
         RequestArg::new(request)?.with(|view| self.inner.get_computed_blocks(view))
     }
 
-    /// Admits a request or grows its block table (vLLM's ``allocate_slots``).
-    ///
-    /// The request's tokens are laid out as::
-    ///
-    ///     | computed | new_computed (hits) | external | new | lookahead |
-    ///
-    /// On a request's first allocation the hits are adopted (touched: ref count + 1, out
-    /// of the free queue) and blocks for the external tokens are allocated. Then blocks
-    /// are added until ``computed + new_computed + external + new + lookahead`` tokens
-    /// (capped at ``max_model_len``) have a slot. Finally, with caching on and
-    /// ``delay_cache_blocks`` false, every block that is full up to
-    /// ``min(computed + new_computed + external + new, num_tokens)`` tokens is cached.
-    ///
-    /// Args:
-    ///     request: The request (see :class:`RequestLike`).
-    ///     num_new_tokens: Tokens to compute in this step.
-    ///     num_new_computed_tokens: Tokens covered by ``new_computed_blocks``.
-    ///     new_computed_blocks: The prefix hits from :meth:`get_computed_blocks`.
-    ///     num_lookahead_tokens: Extra slots for speculative tokens.
-    ///     num_external_computed_tokens: Tokens a KV connector will load.
-    ///     delay_cache_blocks: Skip caching (an asynchronous KV load is in flight).
-    ///
-    /// Returns:
-    ///     The newly allocated block ids (not the hits, not the external blocks), or
-    ///     ``None``, with nothing changed, when the pool has too few free blocks.
-    ///
-    /// Raises:
-    ///     TypeError: a count or block id is not an int.
-    ///     UnknownBlockError: a block id of ``new_computed_blocks`` is out of range.
-    ///     ValueError: ``{name} must be non-negative, got {v}``; ``num_new_tokens must be
-    ///         greater than 0 when there are no computed tokens to adopt``;
-    ///         ``new_computed_blocks must not contain the null block 0``;
-    ///         ``new_computed_blocks must be empty when prefix caching is disabled``;
-    ///         ``request {id} already holds blocks, so it cannot adopt computed tokens``;
-    ///         or a block hash of the request is longer than 32 bytes.
-    ///     BlockStateError: a block to cache already has a hash.
+    #[doc = docstring!(KVCacheManager.allocate_slots)]
     #[pyo3(
         signature = (
             request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
             num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=Flag::FALSE
         ),
-        text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False)"
+        text_signature = None
     )]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn allocate_slots(
@@ -468,10 +379,8 @@ impl PyKVCacheManager {
         tokens.finish(result, self.events.as_mut(), self.inner.events(), before)
     }
 
-    /// Frees the request's blocks, tail first, and forgets the request.
-    ///
-    /// Freeing tail first puts the tail of a cached chain ahead of its parents in the
-    /// eviction order. An unknown request is a no-op.
+    #[doc = docstring!(KVCacheManager.free)]
+    #[pyo3(text_signature = None)]
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id = match request.cast::<PyRequest>() {
             Ok(native) => native.try_borrow()?.request_id().to_owned(),
@@ -480,17 +389,8 @@ impl PyKVCacheManager {
         self.inner.free(&request_id).py()
     }
 
-    /// Caches the request's blocks that are full within ``num_computed_tokens`` tokens.
-    ///
-    /// A no-op with caching off. Only blocks that have a hash in ``request.block_hashes``
-    /// and are not cached yet are entered into the prefix map.
-    ///
-    /// Raises:
-    ///     TypeError: ``num_computed_tokens`` is not an int, or a hash is not ``bytes``.
-    ///     ValueError: ``num_computed_tokens must be non-negative, got {v}``, a hash is
-    ///         longer than 32 bytes, or the tokens need more blocks than the request holds
-    ///         (``num_full_blocks {nf} exceeds the {len} block ids given``).
-    ///     BlockStateError: a block to cache already has a hash.
+    #[doc = docstring!(KVCacheManager.cache_blocks)]
+    #[pyo3(text_signature = None)]
     fn cache_blocks(
         &mut self,
         request: &Bound<'_, PyAny>,
@@ -506,7 +406,8 @@ impl PyKVCacheManager {
         tokens.finish(result, self.events.as_mut(), self.inner.events(), before)
     }
 
-    /// The request's block table, one list per group: ``([ids...],)``; ``([],)`` if unknown.
+    #[doc = docstring!(KVCacheManager.get_block_ids)]
+    #[pyo3(text_signature = None)]
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
@@ -516,7 +417,8 @@ impl PyKVCacheManager {
         PyTuple::new(py, [table])
     }
 
-    /// Removes the blocks from the prefix cache (see ``BlockPool.evict_blocks``).
+    #[doc = docstring!(KVCacheManager.evict_blocks)]
+    #[pyo3(text_signature = None)]
     fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         self.inner
             .evict_blocks(&int_column(block_ids)?)
@@ -524,33 +426,20 @@ impl PyKVCacheManager {
             .map(drop)
     }
 
-    /// Empties the prefix cache if no block is in use (see ``BlockPool.reset_prefix_cache``).
-    ///
-    /// On success the prefix-cache stats (with ``log_stats``) are marked ``reset``.
+    #[doc = docstring!(KVCacheManager.reset_prefix_cache)]
+    #[pyo3(text_signature = None)]
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
     }
 
-    /// The KV cache events recorded since the last call, oldest first.
-    ///
-    /// ``[]`` unless the manager was created with ``enable_kv_cache_events=True``.
-    /// ``BlockStored`` events carry ``kv_cache_spec_kind="full_attention"``. Publish
-    /// them as ``KVEventBatch(ts=time.time(), events=events)`` (see
-    /// :mod:`kvblocks.events`).
+    #[doc = docstring!(KVCacheManager.take_events)]
+    #[pyo3(text_signature = None)]
     fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         take_events(py, &mut self.inner, self.events.as_mut())
     }
 
-    /// Records one admission's prefix-cache lookup (a no-op without ``log_stats``).
-    ///
-    /// The caller records at admission, as vLLM's scheduler does:
-    /// ``requests += 1``, ``queries += request.num_tokens``, ``hits += num_hits``.
-    ///
-    /// Raises:
-    ///     TypeError: ``num_hits`` or ``request.num_tokens`` is not an int.
-    ///     ValueError: ``num_tokens must be non-negative, got {v}``, ``num_hits must be
-    ///         non-negative, got {v}`` or ``num_hits {h} exceeds the request's {n} tokens``,
-    ///         whether stats are on or not.
+    #[doc = docstring!(KVCacheManager.record_prefix_cache_stats)]
+    #[pyo3(text_signature = None)]
     fn record_prefix_cache_stats(
         &mut self,
         request: &Bound<'_, PyAny>,
@@ -559,7 +448,8 @@ impl PyKVCacheManager {
         RequestArg::new(request)?.with(|view| self.inner.record_prefix_cache_stats(view, num_hits))
     }
 
-    /// The stats since the last call (then reset), or ``None`` without ``log_stats``.
+    #[doc = docstring!(KVCacheManager.make_prefix_cache_stats)]
+    #[pyo3(text_signature = None)]
     fn make_prefix_cache_stats(&mut self) -> Option<PyPrefixCacheStats> {
         self.inner
             .make_prefix_cache_stats()

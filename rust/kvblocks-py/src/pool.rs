@@ -1,9 +1,8 @@
 //! `BlockPool` and `KVCacheBlock` for Python: argument conversion around
 //! `kvblocks_core::pool::BlockPool`.
 
-// The `///` comments of the Python-visible items are the reference's docstrings, copied
-// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
-// markdown, so the markdown lint does not apply to them.
+// The Python-visible items' docs are the reference's docstrings (reST, from
+// `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
 use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
@@ -17,17 +16,7 @@ use crate::convert::{
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
-/// A read-only snapshot of one block, as returned by ``BlockPool.get_block``.
-///
-/// Attributes:
-///     block_id: The block's id, ``0 .. num_blocks - 1``.
-///     ref_cnt: How many holders (block tables, touches) the block has. Always 0 for
-///         the null block, whose count is not tracked.
-///     block_hash: The prefix-cache hash of the block's tokens, or ``None`` when the
-///         block is not cached.
-///     group_id: The KV cache group the hash was cached for; ``None`` exactly when
-///         ``block_hash`` is ``None``.
-///     is_null: True only for block 0, the null block.
+#[doc = docstring!(KVCacheBlock)]
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlock", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
 pub struct PyKVCacheBlock {
@@ -57,7 +46,7 @@ impl From<BlockInfo> for PyKVCacheBlock {
 #[pymethods]
 impl PyKVCacheBlock {
     #[new]
-    #[pyo3(signature = (block_id, ref_cnt, block_hash, group_id, is_null))]
+    #[pyo3(signature = (block_id, ref_cnt, block_hash, group_id, is_null), text_signature = None)]
     fn new(
         block_id: u32,
         ref_cnt: u32,
@@ -111,30 +100,7 @@ enum PoolSource {
     Manager(Py<PyKVCacheManager>),
 }
 
-/// A fixed set of KV cache blocks with ref counts, an LRU free queue and a prefix cache.
-///
-/// Block ids are ``0 .. num_blocks - 1``. Block 0 is the null block: it is never handed
-/// out, never freed, never hashed and its ref count is not tracked, so a new pool has
-/// ``num_blocks - 1`` free blocks, queued in ascending id order.
-///
-/// Args:
-///     num_blocks: The number of blocks, including the null block. Must be positive.
-///     enable_caching: Whether freed hashed blocks stay cached (appended to the free
-///         queue, LRU) and lose their hash only when reallocated. With caching off every
-///         freed block is prepended and reallocation keeps any hash, as in vLLM.
-///     block_size: Tokens per block. Must be positive. Recorded for callers; the pool's
-///         behaviour does not depend on it.
-///
-/// Raises:
-///     TypeError: an argument is not an int.
-///     ValueError: ``num_blocks must be positive, got {n}`` or
-///         ``block_size must be positive, got {n}``.
-///
-/// Invariants (see :meth:`check_invariants`):
-///     * the free queue holds exactly the non-null blocks with ``ref_cnt == 0``;
-///     * every hashed block is in the prefix map under its key, and every map entry
-///       points at a block holding that key;
-///     * ref counts are never negative; the null block is never free, hashed or counted.
+#[doc = docstring!(BlockPool)]
 #[pyclass(module = "kvblocks._native", name = "BlockPool")]
 pub struct PyBlockPool {
     source: PoolSource,
@@ -183,7 +149,7 @@ impl PyBlockPool {
     #[new]
     #[pyo3(
         signature = (num_blocks, enable_caching=Flag::TRUE, *, block_size=16),
-        text_signature = "(num_blocks, enable_caching=True, *, block_size=16)"
+        text_signature = None
     )]
     fn new(num_blocks: i64, enable_caching: Flag, block_size: i64) -> PyResult<Self> {
         let Flag(enable_caching) = enable_caching;
@@ -194,105 +160,46 @@ impl PyBlockPool {
         })
     }
 
-    /// The number of blocks, including the null block.
+    #[doc = docstring!(BlockPool.num_blocks)]
     #[getter]
     fn num_blocks(&self, py: Python<'_>) -> PyResult<u32> {
         self.with(py, CorePool::num_blocks)
     }
 
-    /// Whether prefix caching is on (see the class docstring).
+    #[doc = docstring!(BlockPool.enable_caching)]
     #[getter]
     fn enable_caching(&self, py: Python<'_>) -> PyResult<bool> {
         self.with(py, CorePool::enable_caching)
     }
 
-    /// Tokens per block.
+    #[doc = docstring!(BlockPool.block_size)]
     #[getter]
     fn block_size(&self) -> i64 {
         self.block_size
     }
 
-    /// Takes ``n`` blocks from the head of the free queue.
-    ///
-    /// A taken block that still holds a hash loses it first when caching is on (lazy
-    /// eviction). Each block's ref count becomes 1. The prefix cache is not consulted.
-    ///
-    /// Args:
-    ///     n: How many blocks to take.
-    ///
-    /// Returns:
-    ///     The ids taken, in free-queue order.
-    ///
-    /// Raises:
-    ///     TypeError: ``n`` is not an int.
-    ///     ValueError: ``n must be non-negative, got {n}``.
-    ///     NoFreeBlocksError: ``Cannot get {n} free blocks from the pool ({free} free)``.
+    #[doc = docstring!(BlockPool.get_new_blocks)]
+    #[pyo3(text_signature = None)]
     fn get_new_blocks(&mut self, py: Python<'_>, n: i64) -> PyResult<Vec<u32>> {
         self.with_mut(py, |p| p.get_new_blocks(n))?.py()
     }
 
-    /// Drops one reference to each block, in eviction-priority order.
-    ///
-    /// Blocks reaching ref count 0 go back to the free queue: unhashed ones (or all, with
-    /// caching off) are prepended, hashed ones appended, each group keeping the order
-    /// given, so the first block given is reused or evicted first. Callers free a
-    /// request's blocks tail first. The null block is skipped.
-    ///
-    /// Args:
-    ///     block_ids: The ids, first to be evicted first. Any iterable of ints (a NumPy
-    ///         int array too). An id may repeat up to its ref count.
-    ///
-    /// Raises:
-    ///     TypeError: an id is not an int.
-    ///     UnknownBlockError: an id is out of range.
-    ///     BlockStateError: ``block {id} is already free (ref count 0)``, also when an id
-    ///         repeats more often than its ref count.
+    #[doc = docstring!(BlockPool.free_blocks)]
+    #[pyo3(text_signature = None)]
     fn free_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = int_column(block_ids)?;
         self.with_mut(block_ids.py(), |p| p.free_blocks(&ids))?.py()
     }
 
-    /// Adds one reference to each block (a prefix-cache hit being adopted).
-    ///
-    /// A block at ref count 0 is first taken out of the free queue, so it can no longer be
-    /// evicted. The null block is skipped.
-    ///
-    /// Args:
-    ///     block_ids: The ids. Any iterable of ints.
-    ///
-    /// Raises:
-    ///     TypeError: an id is not an int.
-    ///     UnknownBlockError: an id is out of range.
+    #[doc = docstring!(BlockPool.touch)]
+    #[pyo3(text_signature = None)]
     fn touch(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = int_column(block_ids)?;
         self.with_mut(block_ids.py(), |p| p.touch(&ids))?.py()
     }
 
-    /// Enters a request's newly full blocks into the prefix cache.
-    ///
-    /// Blocks ``block_ids[num_cached_blocks:num_full_blocks]`` get the hashes at the same
-    /// positions of ``block_hashes`` under ``kv_cache_group_id`` and are added to the
-    /// prefix map after any blocks already cached under the same key (duplicates are
-    /// kept, as in vLLM). Ref counts and the free queue do not change. Null blocks are
-    /// skipped. A no-op when ``num_cached_blocks >= num_full_blocks``.
-    ///
-    /// Args:
-    ///     block_ids: The request's whole block table.
-    ///     block_hashes: The request's block hashes, block 0 first (at least
-    ///         ``num_full_blocks`` of them, each ``bytes`` of at most 32 bytes).
-    ///     num_cached_blocks: Blocks of the table already cached.
-    ///     num_full_blocks: Blocks of the table that are now full.
-    ///     kv_cache_group_id: The KV cache group the blocks belong to.
-    ///
-    /// Raises:
-    ///     TypeError: an id or count is not an int, or a hash is not ``bytes``.
-    ///     UnknownBlockError: an id is out of range.
-    ///     ValueError: a hash is longer than 32 bytes, a count or the group id is
-    ///         negative, ``num_full_blocks {nf} exceeds the {len} block ids given``, or
-    ///         ``need {nf} block hashes, got {len}``.
-    ///     BlockStateError: ``block {id} already has a hash`` (also when a block occurs
-    ///         twice among the blocks to cache).
-    #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id=0))]
+    #[doc = docstring!(BlockPool.cache_full_blocks)]
+    #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id=0), text_signature = None)]
     fn cache_full_blocks(
         &mut self,
         block_ids: &Bound<'_, PyAny>,
@@ -325,24 +232,10 @@ impl PyBlockPool {
         error.take().map_or_else(|| result.py(), Err)
     }
 
-    /// Looks a block hash up in the prefix cache, one block per group.
-    ///
-    /// Nothing changes: hits are neither touched nor moved in the free queue.
-    ///
-    /// Args:
-    ///     block_hash: The hash to look up.
-    ///     kv_cache_group_ids: The groups to look it up in.
-    ///
-    /// Returns:
-    ///     For each group, the earliest-inserted block still cached under
-    ///     ``(block_hash, group)``; ``None`` if any group misses.
-    ///
-    /// Raises:
-    ///     TypeError: the hash is not ``bytes`` or a group id is not an int.
-    ///     ValueError: the hash is longer than 32 bytes or a group id is out of range.
+    #[doc = docstring!(BlockPool.get_cached_block)]
     #[pyo3(
         signature = (block_hash, kv_cache_group_ids=Given::Absent),
-        text_signature = "(self, block_hash, kv_cache_group_ids=(0,))"
+        text_signature = None
     )]
     fn get_cached_block(
         &self,
@@ -361,23 +254,8 @@ impl PyBlockPool {
         self.with(block_hash.py(), |p| p.get_cached_block(&hash, &groups))
     }
 
-    /// Finds the longest prefix of a hash chain that is cached, in one call.
-    ///
-    /// vLLM's ``find_longest_cache_hit`` for one full-attention group: looks the hashes up
-    /// in order and stops at the first miss (the hashes are chained, so nothing later can
-    /// hit). Nothing changes: pass the result to :meth:`touch` to adopt the hits.
-    ///
-    /// Args:
-    ///     block_hashes: A request's block hashes, block 0 first.
-    ///     kv_cache_group_id: The group to look them up in.
-    ///
-    /// Returns:
-    ///     The earliest-inserted cached block of each hash of the longest cached prefix.
-    ///
-    /// Raises:
-    ///     TypeError: a hash read is not ``bytes`` or the group id is not an int.
-    ///     ValueError: a hash read is longer than 32 bytes or the group id is out of range.
-    #[pyo3(signature = (block_hashes, kv_cache_group_id=0))]
+    #[doc = docstring!(BlockPool.find_longest_cache_hit)]
+    #[pyo3(signature = (block_hashes, kv_cache_group_id=0), text_signature = None)]
     fn find_longest_cache_hit(
         &self,
         block_hashes: &Bound<'_, PyAny>,
@@ -396,18 +274,8 @@ impl PyBlockPool {
         self.with(py, |p| p.find_longest_cache_hit(hashes, group))?
     }
 
-    /// Removes the given blocks from the prefix cache.
-    ///
-    /// Only hashes are dropped: ref counts and free-queue positions do not change, so a
-    /// free block stays where it is (now unhashed) and a block in use is prepended, as an
-    /// unhashed block, when it is freed later. Unhashed and null blocks are skipped.
-    ///
-    /// Args:
-    ///     block_ids: The ids. Any iterable of ints (vLLM passes a set).
-    ///
-    /// Raises:
-    ///     TypeError: an id is not an int.
-    ///     UnknownBlockError: an id is out of range.
+    #[doc = docstring!(BlockPool.evict_blocks)]
+    #[pyo3(text_signature = None)]
     fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = int_column(block_ids)?;
         self.with_mut(block_ids.py(), |p| p.evict_blocks(&ids))?
@@ -415,47 +283,40 @@ impl PyBlockPool {
             .map(drop)
     }
 
-    /// Empties the prefix cache, if no block is in use.
-    ///
-    /// Returns:
-    ///     True when every non-null block was free: all hashes are dropped (the free
-    ///     queue order is kept). False, with nothing changed, otherwise.
+    #[doc = docstring!(BlockPool.reset_prefix_cache)]
+    #[pyo3(text_signature = None)]
     fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<bool> {
         self.with_mut(py, CorePool::reset_prefix_cache)
     }
 
-    /// The number of free blocks, cached ones with ref count 0 included.
+    #[doc = docstring!(BlockPool.get_num_free_blocks)]
+    #[pyo3(text_signature = None)]
     fn get_num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, CorePool::num_free_blocks)
     }
 
-    /// The fraction of usable (non-null) blocks in use: ``1 - free / (num_blocks - 1)``.
-    ///
-    /// 0.0 for a pool with no usable block.
+    #[doc = docstring!(BlockPool.get_usage)]
+    #[pyo3(text_signature = None)]
     fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
         self.with(py, CorePool::usage)
     }
 
-    /// A frozen snapshot of one block.
-    ///
-    /// Raises:
-    ///     TypeError: ``block_id`` is not an int.
-    ///     UnknownBlockError: ``block_id`` is out of range.
+    #[doc = docstring!(BlockPool.get_block)]
+    #[pyo3(text_signature = None)]
     fn get_block(&self, py: Python<'_>, block_id: i64) -> PyResult<PyKVCacheBlock> {
         self.with(py, |p| p.block(block_id))?
             .py()
             .map(PyKVCacheBlock::from)
     }
 
-    /// The free queue, head (next to be allocated) first.
+    #[doc = docstring!(BlockPool.free_block_ids)]
+    #[pyo3(text_signature = None)]
     fn free_block_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
         self.with(py, CorePool::free_block_ids)
     }
 
-    /// Walks the whole state and checks every invariant of the class docstring.
-    ///
-    /// Raises:
-    ///     InvariantError: naming the first broken rule.
+    #[doc = docstring!(BlockPool.check_invariants)]
+    #[pyo3(text_signature = None)]
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, CorePool::check_invariants)?.py()
     }

@@ -2,9 +2,8 @@
 //! native manager reads them in place and a native `BlockHasher` hashes them without a
 //! Python call per block.
 
-// The `///` comments of the Python-visible items are the reference's docstrings, copied
-// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
-// markdown, so the markdown lint does not apply to them.
+// The Python-visible items' docs are the reference's docstrings (reST, from
+// `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
 use kvblocks_core::{BlockHash, Error};
@@ -19,10 +18,7 @@ use crate::convert::{block_hashes, to_list, token_id, token_ids, type_name, Give
 use crate::errors::to_py;
 use crate::hashing::{NativeRequest, PyBlockHasher, RequestAttrs};
 
-/// A request's token ids and the hashes of its full blocks.
-///
-/// ``lora_request``, ``cache_salt``, ``mm_features`` and ``prompt_embeds`` are the
-/// attributes of vLLM's ``Request`` that ``BlockHasher`` reads for extra keys.
+#[doc = docstring!(Request)]
 #[pyclass(module = "kvblocks._native", name = "Request")]
 pub struct PyRequest {
     request_id: String,
@@ -202,8 +198,7 @@ impl PyRequest {
             mm_features = Given::Absent,
             prompt_embeds = None,
         ),
-        text_signature = "(request_id, prompt_token_ids, *, block_hasher=None, lora_request=None, \
-                          cache_salt=None, mm_features=(), prompt_embeds=None)"
+        text_signature = None
     )]
     #[allow(clippy::too_many_arguments)] // the reference's keyword arguments
     fn new<'py>(
@@ -263,31 +258,31 @@ impl PyRequest {
         Ok(request)
     }
 
-    /// The request's id.
+    #[doc = docstring!(Request.request_id)]
     #[getter(request_id)]
     fn request_id_py(&self, py: Python<'_>) -> Py<PyString> {
         self.request_id_obj.clone_ref(py)
     }
 
-    /// The prompt's token ids (do not modify).
+    #[doc = docstring!(Request.prompt_token_ids)]
     #[getter]
     fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         view(py, &self.views.prompt_token_ids, self.prompt(), |&t| t)
     }
 
-    /// Prompt then output token ids (do not modify).
+    #[doc = docstring!(Request.all_token_ids)]
     #[getter]
     fn all_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         view(py, &self.views.all_token_ids, &self.all_token_ids, |&t| t)
     }
 
-    /// Token ids appended since construction (do not modify).
+    #[doc = docstring!(Request.output_token_ids)]
     #[getter]
     fn output_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         view(py, &self.views.output_token_ids, self.output(), |&t| t)
     }
 
-    /// One hash per full block hashed so far, block 0 first (do not modify).
+    #[doc = docstring!(Request.block_hashes)]
     #[getter(block_hashes)]
     fn block_hashes_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         view(py, &self.views.block_hashes, &self.block_hashes, |h| {
@@ -295,7 +290,7 @@ impl PyRequest {
         })
     }
 
-    /// The LoRA adapter: adds ``("lora", name, path)`` to every block's extra keys.
+    #[doc = docstring!(Request.lora_request)]
     #[getter]
     fn lora_request(&self, py: Python<'_>) -> Py<PyAny> {
         bind_or_none(py, self.lora_request.as_ref()).unbind()
@@ -306,7 +301,7 @@ impl PyRequest {
         self.lora_request = non_none(Some(value));
     }
 
-    /// Mixed into the first block's hash (``("cache_salt", salt)``) when truthy.
+    #[doc = docstring!(Request.cache_salt)]
     #[getter]
     fn cache_salt(&self, py: Python<'_>) -> Py<PyAny> {
         bind_or_none(py, self.cache_salt.as_ref()).unbind()
@@ -317,7 +312,7 @@ impl PyRequest {
         self.cache_salt = non_none(Some(value));
     }
 
-    /// Multimodal items, sorted by offset: ``("mm", identifier, offset)`` keys.
+    #[doc = docstring!(Request.mm_features)]
     #[getter]
     fn mm_features(&self, py: Python<'_>) -> Py<PyAny> {
         bind_or_none(py, self.mm_features.as_ref()).unbind()
@@ -328,7 +323,7 @@ impl PyRequest {
         self.mm_features = non_none(Some(value));
     }
 
-    /// Prompt embeddings; ``BlockHasher`` refuses requests that have them.
+    #[doc = docstring!(Request.prompt_embeds)]
     #[getter]
     fn prompt_embeds(&self, py: Python<'_>) -> Py<PyAny> {
         bind_or_none(py, self.prompt_embeds.as_ref()).unbind()
@@ -339,19 +334,19 @@ impl PyRequest {
         self.prompt_embeds = non_none(Some(value));
     }
 
-    /// Prompt plus output tokens.
+    #[doc = docstring!(Request.num_tokens)]
     #[getter(num_tokens)]
     fn num_tokens_py(&self) -> usize {
         self.all_token_ids.len()
     }
 
-    /// Prompt tokens.
+    #[doc = docstring!(Request.num_prompt_tokens)]
     #[getter]
     fn num_prompt_tokens(&self) -> usize {
         self.num_prompt_tokens
     }
 
-    /// Output tokens appended so far.
+    #[doc = docstring!(Request.num_output_tokens)]
     #[getter]
     fn num_output_tokens(&self) -> usize {
         self.all_token_ids
@@ -359,7 +354,7 @@ impl PyRequest {
             .saturating_sub(self.num_prompt_tokens)
     }
 
-    /// Tokens whose KV is computed (or loaded); managers read and write it.
+    #[doc = docstring!(Request.num_computed_tokens)]
     #[getter(num_computed_tokens)]
     fn num_computed_tokens_py(&self) -> i64 {
         self.num_computed_tokens
@@ -378,20 +373,14 @@ impl PyRequest {
         Ok(())
     }
 
-    /// The hasher keeping ``block_hashes`` current, if any.
+    #[doc = docstring!(Request.block_hasher)]
     #[getter]
     fn block_hasher(&self, py: Python<'_>) -> Py<PyAny> {
         bind_or_none(py, self.block_hasher.as_ref()).unbind()
     }
 
-    /// Appends output tokens, then hashes the blocks they complete.
-    ///
-    /// Args:
-    ///     token_ids: One token id or several.
-    ///
-    /// Raises:
-    ///     TypeError: For a non-int token id, or from the hasher.
-    ///     ValueError: For a token id outside the int64 range, or from the hasher.
+    #[doc = docstring!(Request.append_output_token_ids)]
+    #[pyo3(text_signature = None)]
     fn append_output_token_ids(
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
@@ -416,12 +405,8 @@ impl PyRequest {
         })
     }
 
-    /// Appends the hashes of full blocks not hashed yet (vLLM's method of that name).
-    ///
-    /// Raises:
-    ///     TypeError: A hash the hasher returned is not ``bytes``.
-    ///     ValueError: A hash the hasher returned is longer than 32 bytes.
-    ///     Exception: Whatever the hasher raises; ``block_hashes`` is then unchanged.
+    #[doc = docstring!(Request.update_block_hashes)]
+    #[pyo3(text_signature = None)]
     fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
         let Some(hasher) = slf

@@ -5,9 +5,8 @@
 //! changes nothing. With a native `KVCacheManager` the block tables are read in place
 //! from Rust; any other manager is asked through `get_block_ids`, once per request.
 
-// The `///` comments of the Python-visible items are the reference's docstrings, copied
-// verbatim (reST, Google style; `tests/test_parity.py` compares them), not rustdoc
-// markdown, so the markdown lint does not apply to them.
+// The Python-visible items' docs are the reference's docstrings (reST, from
+// `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
 use std::collections::HashSet;
@@ -82,16 +81,7 @@ fn repr(obj: Borrowed<'_, '_, PyAny>) -> String {
         .map_or_else(|_| "<unrepresentable>".to_owned(), |r| r.to_string())
 }
 
-/// What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
-///
-/// Attributes:
-///     num_computed_tokens: The new value for every request of the batch, in order
-///         (unchanged for requests that were not affected).
-///     affected: Indices of the affected requests, in iteration order.
-///     total_affected_tokens: Tokens rolled back over the batch, as vLLM counts them
-///         for its log line. Never negative.
-///     blocks_to_evict: Sorted block ids to remove from the prefix cache; empty unless
-///         evictions were collected.
+#[doc = docstring!(RollbackResult)]
 #[pyclass(module = "kvblocks._native", name = "RollbackResult", frozen, eq)]
 #[derive(PartialEq, Eq)]
 pub struct PyRollbackResult {
@@ -108,7 +98,7 @@ pub struct PyRollbackResult {
 #[pymethods]
 impl PyRollbackResult {
     #[new]
-    #[pyo3(signature = (num_computed_tokens, affected, total_affected_tokens, blocks_to_evict))]
+    #[pyo3(signature = (num_computed_tokens, affected, total_affected_tokens, blocks_to_evict), text_signature = None)]
     fn new(
         num_computed_tokens: &Bound<'_, PyAny>,
         affected: &Bound<'_, PyAny>,
@@ -150,17 +140,7 @@ impl From<Rollback> for PyRollbackResult {
     }
 }
 
-/// What a load-failure handler did and what the scheduler must do next.
-///
-/// Attributes:
-///     failed_req_ids: Requests to finish with ``FINISHED_ERROR`` (``fail`` policy).
-///     rescheduled_req_ids: Running requests rolled back that the next step recomputes;
-///         their output of this step must be discarded (``recompute`` policy).
-///     retry_req_ids: Requests still waiting for remote KVs whose load must be retried
-///         from their new ``num_computed_tokens`` once it finishes (``recompute``
-///         policy; vLLM's ``failed_recving_kv_req_ids``).
-///     evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
-///     total_affected_tokens: Tokens rolled back (or lost with the failed requests).
+#[doc = docstring!(InvalidBlocksOutcome)]
 #[pyclass(module = "kvblocks._native", name = "InvalidBlocksOutcome", frozen, eq)]
 pub struct PyInvalidBlocksOutcome {
     // Each set's members in the order vLLM adds them to its own: a set of strings
@@ -205,7 +185,7 @@ fn ordered_set<'py, T: IntoPyObject<'py> + Copy>(
 #[pymethods]
 impl PyInvalidBlocksOutcome {
     #[new]
-    #[pyo3(signature = (failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens))]
+    #[pyo3(signature = (failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens), text_signature = None)]
     fn new(
         failed_req_ids: HashSet<String>,
         rescheduled_req_ids: HashSet<String>,
@@ -269,40 +249,14 @@ fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
         .collect()
 }
 
-/// Decide how far every request of a batch rolls back past invalid blocks.
-///
-/// The batch primitive behind the other entry points: one entry per request in each
-/// column, in iteration order (which matters: see the module docstring). Nothing is
-/// changed; the caller applies the result.
-///
-/// Args:
-///     block_tables: Each request's block ids (lists or NumPy integer arrays).
-///     num_computed_tokens: Each request's ``num_computed_tokens``, this step included.
-///     num_scheduled_tokens: Tokens scheduled for each request in this step (0 when it
-///         was not scheduled).
-///     invalid_block_ids: Block ids whose KV failed to load; duplicates are harmless and
-///         ids no table holds are ignored.
-///     block_size: Tokens per block.
-///     collect_evictions: Whether to collect the blocks to evict (vLLM's
-///         ``evict_blocks``; its async pass collects none).
-///     mode: ``"vllm"`` (vLLM 0.33.0 exactly) or ``"strict"`` (no sharing shortcut).
-///
-/// Returns:
-///     The new token counts, the affected indices, the affected-token total and the
-///     sorted blocks to evict.
-///
-/// Raises:
-///     TypeError: A value is not an integer.
-///     ValueError: Bad mode, non-positive block size, columns of different lengths, a
-///         negative count or id, more tokens scheduled than computed, or a block table
-///         too short to hold the tokens computed before this step.
+#[doc = docstring!(rollback_invalid_blocks)]
 #[pyfunction]
 #[pyo3(
     signature = (
         block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size,
         *, collect_evictions=Flag::TRUE, mode=ModeArg::VLLM
     ),
-    text_signature = "(block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size, *, collect_evictions=True, mode='vllm')"
+    text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
 pub fn rollback_invalid_blocks(
@@ -515,30 +469,11 @@ fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
     rollback::check_single_group(num_kv_cache_groups(manager)?).py()
 }
 
-/// vLLM's ``Scheduler._update_requests_with_invalid_blocks``.
-///
-/// Args:
-///     kv_cache_manager: Source of the block tables (``get_block_ids``) and
-///         ``block_size``; one KV cache group.
-///     requests: The requests, in iteration order; each may appear once.
-///     invalid_block_ids: Block ids whose KV failed to load.
-///     num_scheduled_tokens: Request id to tokens scheduled this step; a missing id
-///         means not scheduled.
-///     evict_blocks: Whether to collect the blocks to evict.
-///     mode: ``"vllm"`` or ``"strict"``.
-///
-/// Returns:
-///     ``(affected_req_ids, total_affected_tokens, blocks_to_evict)``, as vLLM. The
-///     affected requests' ``num_computed_tokens`` have been updated.
-///
-/// Raises:
-///     TypeError: A value is not an integer.
-///     ValueError: As :func:`rollback_invalid_blocks`, or a request given twice.
-///     UnsupportedLayoutError: The manager has more than one KV cache group.
+#[doc = docstring!(update_requests_with_invalid_blocks)]
 #[pyfunction]
 #[pyo3(
     signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=Flag::TRUE, mode=ModeArg::VLLM),
-    text_signature = "(kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=True, mode='vllm')"
+    text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
 pub fn update_requests_with_invalid_blocks<'py>(
@@ -587,45 +522,14 @@ pub fn update_requests_with_invalid_blocks<'py>(
     Ok((affected, result.total_affected_tokens, to_evict))
 }
 
-/// vLLM's ``Scheduler._handle_invalid_blocks``.
-///
-/// The async pass (``waiting_for_remote_kvs``, whose blocks were never hashed, so no
-/// eviction is collected) and the sync pass (``running``) each have their own marked
-/// set, so a block shared between an async and a sync request is recomputed by both.
-/// Under ``fail`` the sync pass's blocks are evicted and every affected request is
-/// failed; under ``recompute`` the sync requests are rescheduled and the async ones
-/// retried, and nothing is evicted in ``vllm`` mode (the blocks keep their hashes until
-/// they are rewritten, so a prefix hit before that reads stale KV), while ``strict``
-/// mode evicts the sync pass's blocks too.
-///
-/// Args:
-///     kv_cache_manager: Source of the block tables and ``block_size``; receives
-///         ``evict_blocks`` under ``fail``. ``num_kv_cache_groups`` (default 1) must be 1.
-///     invalid_block_ids: Block ids whose KV failed to load; unmatched ids are ignored.
-///     num_scheduled_tokens: Request id to tokens scheduled this step.
-///     running: The running requests, in scheduling order.
-///     waiting_for_remote_kvs: The requests whose async KV load is in flight.
-///     policy: ``"fail"`` (vLLM's default) or ``"recompute"``.
-///     mode: ``"vllm"`` or ``"strict"``.
-///
-/// Returns:
-///     Which requests fail, are rescheduled or retried, what was evicted and how many
-///     tokens were rolled back. The affected requests' ``num_computed_tokens`` have
-///     been updated.
-///
-/// Raises:
-///     TypeError: A value is not an integer.
-///     ValueError: Bad policy or mode, as :func:`rollback_invalid_blocks`, or a request
-///         given twice.
-///     UnsupportedLayoutError: The manager has more than one KV cache group (checked
-///         before anything else is looked at, as vLLM fails closed).
+#[doc = docstring!(handle_invalid_blocks)]
 #[pyfunction]
 #[pyo3(
     signature = (
         kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running,
         waiting_for_remote_kvs=Given::Absent, policy=PolicyArg::FAIL, mode=ModeArg::VLLM
     ),
-    text_signature = "(kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running, waiting_for_remote_kvs=(), policy='fail', mode='vllm')"
+    text_signature = None
 )]
 // The arguments are the Python signature (vLLM's, plus `py`); PyO3 extracts them by value.
 #[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)]
@@ -701,28 +605,11 @@ pub fn handle_invalid_blocks<'py>(
     })
 }
 
-/// vLLM's ``Scheduler._handle_failed_recving``: whole-request load failures.
-///
-/// Only requests whose async load is in flight can fail this way; other ids (unknown
-/// requests, running sync loads) are ignored, as in vLLM.
-///
-/// Args:
-///     failed_req_ids: Request ids the connector reported as failed.
-///     waiting_for_remote_kvs: The requests whose async KV load is in flight.
-///     policy: ``"fail"`` (report them as failed, change nothing) or ``"recompute"``
-///         (rewind them to 0 tokens and report them for retry).
-///
-/// Returns:
-///     The failed or retried ids; ``total_affected_tokens`` counts the matched
-///     requests' computed tokens, all of which are lost.
-///
-/// Raises:
-///     TypeError: A token count is not an integer.
-///     ValueError: Bad policy, a negative token count, or a request given twice.
+#[doc = docstring!(handle_failed_recving)]
 #[pyfunction]
 #[pyo3(
     signature = (failed_req_ids, waiting_for_remote_kvs, *, policy=PolicyArg::FAIL),
-    text_signature = "(failed_req_ids, waiting_for_remote_kvs, *, policy='fail')"
+    text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
 pub fn handle_failed_recving(

@@ -1,0 +1,81 @@
+"""The native backend's docstrings and stub are generated from the reference, and current.
+
+``tools/api_copies.py`` writes them; ``tests/test_parity.py`` checks that the built module
+carries them, each on its own item.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from kvblocks import reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def api_copies() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("api_copies", REPO / "tools" / "api_copies.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_copies_are_current(api_copies: ModuleType) -> None:
+    diffs = api_copies.stale(api_copies.rendered())
+    assert not diffs, "stale; run `python tools/api_copies.py`:\n" + "\n".join(diffs)
+
+
+def test_a_changed_docstring_makes_the_rust_copy_stale(
+    api_copies: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    touch = reference.BlockPool.touch
+    monkeypatch.setattr(touch, "__doc__", "Adds one reference to each block, twice.")
+    diffs = api_copies.stale(api_copies.rendered())
+    assert len(diffs) == 1
+    assert "rust/kvblocks-py/src/docstrings.rs" in diffs[0]
+    assert "+Adds one reference to each block, twice." in diffs[0]
+
+
+def test_a_changed_signature_makes_both_copies_stale(
+    api_copies: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    get_new_blocks = reference.BlockPool.get_new_blocks
+    sig = inspect.signature(get_new_blocks)
+    renamed = [p.replace(name="count") if p.name == "n" else p for p in sig.parameters.values()]
+    monkeypatch.setattr(
+        get_new_blocks, "__signature__", sig.replace(parameters=renamed), raising=False
+    )
+    diffs = api_copies.stale(api_copies.rendered())
+    assert [d.splitlines()[0] for d in diffs] == [
+        "--- rust/kvblocks-py/src/docstrings.rs (committed)",
+        "--- python/kvblocks/_native.pyi (committed)",
+    ]
+    assert '+r"get_new_blocks($self, count)' in diffs[0]
+    assert "+    def get_new_blocks(self, count: int) -> list[int]: ..." in diffs[1]
+
+
+def test_check_fails_on_a_stale_copy_and_keeps_the_file(
+    api_copies: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = api_copies.STUB.read_text(encoding="utf-8")
+    monkeypatch.setattr(reference.BlockPool.touch, "__doc__", "Changed.")
+    assert api_copies.main(["--check"]) == 1
+    assert "+Changed." in capsys.readouterr().out
+    assert api_copies.STUB.read_text(encoding="utf-8") == before
+    monkeypatch.undo()
+    assert api_copies.main(["--check"]) == 0
+
+
+def test_the_hand_written_part_of_the_stub_is_kept(api_copies: ModuleType) -> None:
+    stub = api_copies.rendered()[api_copies.STUB]
+    assert stub.endswith(api_copies.stub_hand_written())
+    assert "class VllmKVCacheManager(KVCacheManager):" in api_copies.stub_hand_written()

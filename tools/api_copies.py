@@ -1,0 +1,441 @@
+"""Writes the native backend's copies of the reference's API, or checks they are current.
+
+The pure-Python reference (``kvblocks.reference``) is the one place each public docstring
+and signature of the backend is written. Two files are generated from it:
+
+* ``rust/kvblocks-py/src/docstrings.rs``: a ``docstring!`` macro holding each docstring,
+  callables' opening with their text signature, which the binding's items take as
+  ``#[doc = docstring!(BlockPool.touch)]``;
+* ``python/kvblocks/_native.pyi``: the stub of ``kvblocks._native``, up to the hand-written
+  section on ``kvblocks.vllm``'s native half (whose docstrings live in ``vllm.rs`` only).
+
+Run ``python tools/api_copies.py`` after changing the reference's API, and ``--check`` to
+fail (exit 1, with a diff) when a copy is stale. Only the reference is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DOCSTRINGS_RS = REPO / "rust" / "kvblocks-py" / "src" / "docstrings.rs"
+STUB = REPO / "python" / "kvblocks" / "_native.pyi"
+LINE_LENGTH = 100
+#: Where the stub's hand-written part starts; the file is kept from this line on.
+STUB_HAND_WRITTEN = "# kvblocks.vllm's native half"
+#: The native classes Python may subclass (``#[pyclass(subclass)]``); the others are final.
+SUBCLASSABLE = frozenset({"KVCacheManager"})
+#: Dunder methods that are API, beside the public names.
+API_DUNDERS = ("__call__", "__getitem__", "__len__")
+#: The native classes' comparisons (PyO3 slots), which dataclasses generate in the reference.
+SLOT_EQ = "def __eq__(self, other: object, /) -> bool: ..."
+SLOT_HASH = "def __hash__(self, /) -> int: ..."
+SLOT_NO_HASH = "__hash__: ClassVar[None]  # type: ignore[assignment]"
+
+
+def reference() -> ModuleType:
+    """The installed reference (a dev install is the checkout's)."""
+    return importlib.import_module("kvblocks.reference")
+
+
+# ---------------------------------------------------------------------------- members
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Member:
+    """One API member of a backend class, as the stub and the docstrings see it.
+
+    Attributes:
+        name: The attribute name.
+        kind: ``"field"`` (a dataclass field), ``"property"`` or ``"method"``.
+        obj: The reference's object: the property or function (``None`` for a field).
+        annotation: A field's type, as written.
+    """
+
+    name: str
+    kind: str
+    obj: Any = None
+    annotation: str = ""
+
+
+def members(cls: type) -> Iterator[Member]:
+    """The API members of a reference class, fields first, then in definition order."""
+    fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+    for field in fields:
+        yield Member(field.name, "field", annotation=str(field.type))
+    field_names = {field.name for field in fields}
+    for name, value in vars(cls).items():
+        if name in field_names or (name.startswith("_") and name not in API_DUNDERS):
+            continue
+        if isinstance(value, property):
+            yield Member(name, "property", value)
+        elif inspect.isfunction(value):
+            yield Member(name, "method", value)
+
+
+def api_objects(ref: ModuleType) -> Iterator[tuple[str, Any]]:
+    """Each documented name of the backend, ``Class`` or ``Class.member``, with its object."""
+    for name in sorted(ref.__all__):
+        obj = getattr(ref, name)
+        yield name, obj
+        if isinstance(obj, type):
+            for member in members(obj):
+                if member.kind == "property":
+                    yield f"{name}.{member.name}", member.obj.fget
+                elif member.kind == "method":
+                    yield f"{name}.{member.name}", member.obj
+
+
+# ---------------------------------------------------------------------------- docstrings
+
+
+def text_signature(obj: Any) -> str:
+    """CPython's ``__text_signature__`` form of a class's or function's signature."""
+    sig = inspect.signature(obj)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    text = str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+    # `$self` marks the receiver, which `inspect` then drops for bound methods.
+    return text.replace("(self, ", "($self, ").replace("(self)", "($self)")
+
+
+def is_property_getter(key: str, ref: ModuleType) -> bool:
+    cls_name, _, member = key.partition(".")
+    cls = getattr(ref, cls_name)
+    return bool(member) and isinstance(inspect.getattr_static(cls, member, None), property)
+
+
+def rust_literal(text: str) -> str:
+    """``text`` as a Rust raw string literal with the fewest ``#``."""
+    hashes = 0
+    while f'"{"#" * hashes}' in text:
+        hashes += 1
+    return f'r{"#" * hashes}"{text}"{"#" * hashes}'
+
+
+def render_docstrings(ref: ModuleType) -> str:
+    arms = []
+    for key, obj in api_objects(ref):
+        doc = inspect.getdoc(obj)
+        if not doc:
+            continue
+        name = key.rpartition(".")[2]
+        # A dunder is served by a method of another name (or a slot), whose text signature
+        # PyO3 writes; CPython reads a signature only under the method's own name.
+        signature = (
+            None if is_property_getter(key, ref) or name in API_DUNDERS else text_signature(obj)
+        )
+        if signature is not None:
+            doc = f"{name}{signature}\n--\n\n{doc}"
+        arms.append(f"    ({key}) => {{\n{rust_literal(doc)}\n    }};")
+    body = "\n".join(arms)
+    return (
+        "// @generated by tools/api_copies.py from the docstrings of `kvblocks.reference`:\n"
+        "// edit those and run it. Callables' texts open with the signature CPython reads into\n"
+        "// `__text_signature__` (so their items say `text_signature = None`).\n"
+        "\n"
+        "/// The reference's docstring of a backend name: `docstring!(BlockPool.touch)`.\n"
+        "macro_rules! docstring {\n"
+        f"{body}\n"
+        "}\n"
+    )
+
+
+# ---------------------------------------------------------------------------- stub
+
+
+class Annotations:
+    """Rewrites the reference's annotations for the stub, collecting the imports they need.
+
+    A name is looked up where the annotated object is defined. Type aliases of the
+    reference are written out (they may name reference classes, which the stub has as
+    native ones); the backend's classes stay bare; anything else is imported, under a
+    private alias when it comes from kvblocks.
+    """
+
+    def __init__(self, backend_names: set[str]) -> None:
+        self.backend_names = backend_names
+        self.imports: dict[str, set[str]] = {}
+        self.aliases: dict[tuple[str, str], str] = {}
+
+    def rewrite(self, text: str, module: str) -> str:
+        return ast.unparse(self._expr(ast.parse(text, mode="eval").body, module))
+
+    def _expr(self, node: ast.expr, module: str) -> ast.expr:
+        annotations = self
+
+        class Rewriter(ast.NodeTransformer):
+            def visit_Constant(self, node: ast.Constant) -> ast.AST:
+                if isinstance(node.value, str):
+                    return annotations._expr(ast.parse(node.value, mode="eval").body, module)
+                return node
+
+            def visit_Name(self, node: ast.Name) -> ast.AST:
+                return annotations._name(node.id, module)
+
+        return Rewriter().visit(node)  # type: ignore[no-any-return]
+
+    def _name(self, name: str, module: str) -> ast.expr:
+        if name in self.backend_names and module.startswith("kvblocks.reference"):
+            return ast.Name(name)
+        source, value = definition(name, module)
+        if source is None:
+            if not hasattr(builtins, name):
+                raise LookupError(f"{name} in {module} is neither defined, imported nor a builtin")
+            return ast.Name(name)
+        if source == module and value is not None:
+            return self._expr(value, module)  # a type alias of the reference
+        if not source.startswith("kvblocks"):
+            self.imports.setdefault(source, set()).add(name)
+            return ast.Name(name)
+        alias = self.aliases.get((source, name))
+        if alias is None:
+            alias = f"_{name}"
+            if alias in self.aliases.values():
+                alias = f"_{source.rpartition('.')[2]}_{name}"
+            self.aliases[(source, name)] = alias
+        return ast.Name(alias)
+
+    def import_lines(self) -> list[str]:
+        """The imports, in isort's sections: standard library, third party, kvblocks."""
+        sections: dict[bool, list[str]] = {True: [], False: []}
+        for source, names in sorted(self.imports.items()):
+            stdlib = source.partition(".")[0] in sys.stdlib_module_names
+            sections[stdlib].append(f"from {source} import {', '.join(sorted(names))}")
+        first_party = [
+            f"from {source} import {name} as {alias}"
+            for (source, name), alias in sorted(self.aliases.items())
+        ]
+        return [*sections[True], "", *sections[False], "", *first_party]
+
+
+def module_tree(module: str) -> ast.Module:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise LookupError(f"cannot find the source of {module}")
+    return ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+
+
+def top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """A module's statements, with those under ``if TYPE_CHECKING:`` (or any ``if``)."""
+    for node in body:
+        if isinstance(node, ast.If):
+            yield from top_level(node.body)
+        else:
+            yield node
+
+
+def definition(name: str, module: str) -> tuple[str | None, ast.expr | None]:
+    """Where ``name`` comes from, seen from ``module``.
+
+    Returns:
+        ``(module, None)`` for a class or import source, ``(module, expr)`` for a type
+        alias of a reference module (its value), ``(None, None)`` when not found.
+    """
+    for node in top_level(module_tree(module).body):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    if node.module.startswith("kvblocks"):
+                        return definition(alias.name, node.module)
+                    return node.module, None
+        elif isinstance(node, ast.ClassDef) and node.name == name:
+            return module, None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                if module.startswith("kvblocks.reference") and node.value is not None:
+                    return module, node.value
+                return module, None
+    return None, None
+
+
+def default_text(value: object) -> str:
+    return '"' + value + '"' if isinstance(value, str) else repr(value)
+
+
+def parameters(
+    sig: inspect.Signature, module: str, annotations: Annotations, *, receiver: str | None
+) -> list[str]:
+    texts = [] if receiver is None else [receiver]
+    star_written = False
+    params = list(sig.parameters.values())
+    if receiver is not None and params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    for index, param in enumerate(params):
+        if param.kind is param.KEYWORD_ONLY and not star_written:
+            texts.append("*")
+            star_written = True
+        text = param.name
+        if param.annotation is not param.empty:
+            text += ": " + annotations.rewrite(str(param.annotation), module)
+            if param.default is not param.empty:
+                text += " = " + default_text(param.default)
+        elif param.default is not param.empty:
+            text += "=" + default_text(param.default)
+        texts.append(text)
+        is_last_positional = index + 1 == len(params) or params[index + 1].kind not in (
+            param.POSITIONAL_ONLY,
+        )
+        if param.kind is param.POSITIONAL_ONLY and is_last_positional:
+            texts.append("/")
+    return texts
+
+
+def def_lines(indent: str, head: str, params: list[str], returns: str) -> list[str]:
+    """A ``def ... : ...`` line as ruff formats it: on one line, or split."""
+    one_line = f"{indent}def {head}({', '.join(params)}) -> {returns}: ..."
+    if len(one_line) <= LINE_LENGTH:
+        return [one_line]
+    inner = f"{indent}    {', '.join(params)}"
+    if len(inner) <= LINE_LENGTH and len(f"{indent}) -> {returns}: ...") <= LINE_LENGTH:
+        return [f"{indent}def {head}(", inner, f"{indent}) -> {returns}: ..."]
+    return [
+        f"{indent}def {head}(",
+        *(f"{indent}    {p}," for p in params),
+        f"{indent}) -> {returns}: ...",
+    ]
+
+
+def class_stub(cls: type, annotations: Annotations) -> list[str]:
+    module = cls.__module__
+    # A subclassable PyO3 class has its own instance layout.
+    lines = ["@disjoint_base" if cls.__name__ in SUBCLASSABLE else "@final"]
+    lines.append(f"class {cls.__name__}:")
+    ctor = parameters(inspect.signature(cls), module, annotations, receiver="cls")
+    lines += def_lines("    ", "__new__", ctor, "Self")
+    for member in members(cls):
+        if member.kind == "field":
+            ann = annotations.rewrite(member.annotation, module)
+            lines += ["    @property", f"    def {member.name}(self) -> {ann}: ..."]
+        elif member.kind == "property":
+            getter = inspect.signature(member.obj.fget)
+            ann = annotations.rewrite(str(getter.return_annotation), module)
+            lines += ["    @property", f"    def {member.name}(self) -> {ann}: ..."]
+            if member.obj.fset is not None:
+                setter = list(inspect.signature(member.obj.fset).parameters.values())[1]
+                value = annotations.rewrite(str(setter.annotation), module)
+                lines += [
+                    f"    @{member.name}.setter",
+                    f"    def {member.name}(self, value: {value}) -> None: ...",
+                ]
+        else:
+            sig = inspect.signature(member.obj)
+            params = parameters(sig, module, annotations, receiver="self")
+            returns = annotations.rewrite(str(sig.return_annotation), module)
+            lines += def_lines("    ", member.name, params, returns)
+    if "__eq__" in vars(cls):
+        lines.append(f"    {SLOT_EQ}")
+    if "__hash__" in vars(cls):
+        lines.append(f"    {SLOT_NO_HASH if vars(cls)['__hash__'] is None else SLOT_HASH}")
+    return lines
+
+
+def function_stub(func: Callable[..., Any], annotations: Annotations) -> list[str]:
+    sig = inspect.signature(func)
+    params = parameters(sig, func.__module__, annotations, receiver=None)
+    returns = annotations.rewrite(str(sig.return_annotation), func.__module__)
+    return def_lines("", func.__name__, params, returns)
+
+
+STUB_HEADER = """\
+# @generated by tools/api_copies.py from `kvblocks.reference` (edit that and run it), up
+# to the hand-written section on kvblocks.vllm's native half. The classes are PyO3
+# classes: built by `__new__`, final (but `KVCacheManager`), and the reference's
+# dataclass fields are read-only properties here. `python -m mypy.stubtest
+# kvblocks._native` checks this stub against the built module.
+"""
+
+
+def render_stub(ref: ModuleType, hand_written: str) -> str:
+    names = sorted(ref.__all__)
+    annotations = Annotations(set(names))
+    annotations.imports["typing"] = {"ClassVar", "final"}
+    annotations.imports["typing_extensions"] = {"Self", "disjoint_base"}
+    blocks = []
+    for name in names:
+        obj = getattr(ref, name)
+        if isinstance(obj, type):
+            blocks.append("\n".join(class_stub(obj, annotations)))
+    functions = [
+        "\n".join(function_stub(getattr(ref, name), annotations))
+        for name in names
+        if not isinstance(getattr(ref, name), type)
+    ]
+    body = "\n\n".join(blocks) + "\n\n" + "\n".join(functions)
+    all_lines = "\n".join(f'    "{name}",' for name in names)
+    return (
+        f"{STUB_HEADER}\n"
+        + "\n".join(annotations.import_lines())
+        + f"\n\n__all__ = [\n{all_lines}\n]\n\n{body}\n\n{hand_written}"
+    )
+
+
+def stub_hand_written() -> str:
+    text = STUB.read_text(encoding="utf-8")
+    start = text.find(STUB_HAND_WRITTEN)
+    if start < 0:
+        raise LookupError(f"{STUB} has no line starting {STUB_HAND_WRITTEN!r}")
+    return text[start:]
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def rendered() -> dict[Path, str]:
+    """What each generated file should hold."""
+    ref = reference()
+    return {DOCSTRINGS_RS: render_docstrings(ref), STUB: render_stub(ref, stub_hand_written())}
+
+
+def stale(files: dict[Path, str]) -> list[str]:
+    """A unified diff for each file whose contents differ from what it should hold."""
+    diffs = []
+    for path, text in files.items():
+        current = path.read_text(encoding="utf-8") if path.exists() else ""
+        if current != text:
+            name = str(path.relative_to(REPO))
+            diffs.append(
+                "".join(
+                    difflib.unified_diff(
+                        current.splitlines(keepends=True),
+                        text.splitlines(keepends=True),
+                        f"{name} (committed)",
+                        f"{name} (from kvblocks.reference)",
+                    )
+                )
+            )
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a copy is stale")
+    args = parser.parse_args(argv)
+    files = rendered()
+    if args.check:
+        diffs = stale(files)
+        for diff in diffs:
+            print(diff)
+        if diffs:
+            print("stale: run `python tools/api_copies.py`", file=sys.stderr)
+        return 1 if diffs else 0
+    for path, text in files.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
