@@ -631,6 +631,18 @@ def test_outcome_reprs_match_the_reference(backend: ModuleType) -> None:
     )
 
 
+def test_outcomes_compare_by_value_and_are_unhashable(backend: ModuleType) -> None:
+    """Their fields are lists and sets, so neither result type has a hash."""
+    outcome = backend.InvalidBlocksOutcome(set(), {"a"}, set(), {7}, 16)
+    assert outcome == backend.InvalidBlocksOutcome(set(), {"a"}, set(), {7}, 16)
+    result = backend.RollbackResult([16], [0], 32, [2])
+    assert result == backend.RollbackResult([16], [0], 32, [2])
+    for value in (outcome, result):
+        assert type(value).__hash__ is None
+        with pytest.raises(TypeError, match="unhashable type"):
+            hash(value)
+
+
 def test_waiting_for_remote_kvs_none_is_refused(backend: ModuleType) -> None:
     manager = backend.KVCacheManager(4, 4)
     assert backend.handle_invalid_blocks(manager, [1], {}, running=[]).total_affected_tokens == 0
