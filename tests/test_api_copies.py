@@ -79,3 +79,40 @@ def test_the_hand_written_part_of_the_stub_is_kept(api_copies: ModuleType) -> No
     stub = api_copies.rendered()[api_copies.STUB]
     assert stub.endswith(api_copies.stub_hand_written())
     assert "class VllmKVCacheManager(KVCacheManager):" in api_copies.stub_hand_written()
+
+
+def test_binding_signatures_match_the_reference(api_copies: ModuleType) -> None:
+    assert api_copies.signature_mismatches(reference) == []
+    # Every callable of the backend is found in the binding, classes by their `#[new]`.
+    found = api_copies.rust_signatures()
+    assert {"BlockPool", "Request", "BlockPool.touch", "handle_failed_recving"} <= set(found)
+    assert found["BlockPool"] == [
+        ("num_blocks", False, api_copies.NO_DEFAULT),
+        ("enable_caching", False, True),
+        ("block_size", True, 16),
+    ]
+
+
+def test_a_renamed_rust_parameter_is_a_mismatch(
+    api_copies: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for source in api_copies.BINDING.glob("*.rs"):
+        text = source.read_text(encoding="utf-8")
+        if source.name == "pool.rs":
+            edited = text.replace(
+                "n: i64) -> PyResult<Vec<u32>>", "count: i64) -> PyResult<Vec<u32>>"
+            )
+            assert edited != text
+            text = edited.replace(
+                "signature = (block_hashes, kv_cache_group_id=0)",
+                "signature = (block_hashes, kv_cache_group_id=1)",
+            )
+        (tmp_path / source.name).write_text(text, encoding="utf-8")
+    monkeypatch.setattr(api_copies, "BINDING", tmp_path)
+    assert api_copies.signature_mismatches(reference) == [
+        "BlockPool.get_new_blocks: the reference has [('n', False, '<required>')], "
+        "the binding [('count', False, '<required>')]",
+        "BlockPool.find_longest_cache_hit: the reference has [('block_hashes', False, "
+        "'<required>'), ('kv_cache_group_id', False, 0)], the binding [('block_hashes', "
+        "False, '<required>'), ('kv_cache_group_id', False, 1)]",
+    ]

@@ -9,8 +9,11 @@ and signature of the backend is written. Two files are generated from it:
 * ``python/kvblocks/_native.pyi``: the stub of ``kvblocks._native``, up to the hand-written
   section on ``kvblocks.vllm``'s native half (whose docstrings live in ``vllm.rs`` only).
 
+The binding's ``#[pyo3(signature = ...)]`` is code, not a copy: ``--check`` compares its
+parameter names, kinds and defaults with the reference's.
+
 Run ``python tools/api_copies.py`` after changing the reference's API, and ``--check`` to
-fail (exit 1, with a diff) when a copy is stale. Only the reference is imported.
+fail (exit 1, with a diff) when a copy is stale or a binding signature differs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -390,6 +394,154 @@ def stub_hand_written() -> str:
     return text[start:]
 
 
+# ---------------------------------------------------------------------------- Rust signatures
+
+BINDING = REPO / "rust" / "kvblocks-py" / "src"
+#: Rust defaults that stand for a Python value (`convert.rs`, `rollback.rs`).
+RUST_DEFAULTS: dict[str, object] = {
+    "true": True,
+    "false": False,
+    "None": None,
+    "Flag::TRUE": True,
+    "Flag::FALSE": False,
+    "ModeArg::VLLM": "vllm",
+    "PolicyArg::FAIL": "fail",
+}
+#: A Rust default the binding applies in code: the Python default is not written there.
+GIVEN_ABSENT = "Given::Absent"
+#: A parameter as ``(name, keyword_only, default)``; ``default`` is ``NO_DEFAULT``,
+#: ``GIVEN_ABSENT`` or the Python value.
+Param = tuple[str, bool, object]
+NO_DEFAULT = "<required>"
+
+
+def split_top_level(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets, each part stripped, empties dropped."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += char in "([{<"
+        depth -= char in ")]}>"
+        if char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return [part.strip() for part in parts if part.strip()]
+
+
+def bracketed(text: str, open_at: int) -> str:
+    """The text inside the parenthesis that opens at ``text[open_at]``."""
+    depth = 0
+    for index in range(open_at, len(text)):
+        depth += text[index] == "("
+        depth -= text[index] == ")"
+        if depth == 0:
+            return text[open_at + 1 : index]
+    raise ValueError(f"unbalanced parenthesis at {text[open_at : open_at + 40]!r}")
+
+
+def rust_default(expr: str) -> object:
+    if expr == GIVEN_ABSENT:
+        return GIVEN_ABSENT
+    if expr in RUST_DEFAULTS:
+        return RUST_DEFAULTS[expr]
+    return ast.literal_eval(expr)
+
+
+def pyo3_params(attrs: str, fn_args: str) -> list[Param]:
+    """The Python parameters of a binding function: its ``signature = (...)``, or else its
+    Rust arguments but the receiver and ``Python``."""
+    at = attrs.find("signature = (")
+    if at >= 0:
+        entries = split_top_level(bracketed(attrs, attrs.index("(", at)))
+    else:
+        entries = []
+        for arg in split_top_level(fn_args):
+            name, _, rust_type = (part.strip() for part in arg.partition(":"))
+            if name not in ("self", "&self", "&mut self", "slf") and "Python<" not in rust_type:
+                entries.append(name)
+    params: list[Param] = []
+    keyword_only = False
+    for entry in entries:
+        if entry == "*":
+            keyword_only = True
+            continue
+        name, _, default = (part.strip() for part in entry.partition("="))
+        params.append((name, keyword_only, rust_default(default) if default else NO_DEFAULT))
+    return params
+
+
+def rust_signatures() -> dict[str, list[Param]]:
+    """The Python parameters of each binding item documented by ``docstring!``: the
+    ``#[new]`` of a class, a method, a function."""
+    found: dict[str, list[Param]] = {}
+    item = re.compile(r"(?:pub(?:\(crate\))? )?fn \w+(?:<[^>]*>)?\(")
+    for path in sorted(BINDING.glob("*.rs")):
+        text = path.read_text(encoding="utf-8")
+        for impl in re.finditer(r"#\[pymethods\]\s*impl (\w+) \{", text):
+            cls = class_of_struct(text, impl.group(1))
+            new = text.find("#[new]", impl.end())
+            next_impl = text.find("#[pymethods]", impl.end())
+            if cls is not None and new >= 0 and (next_impl < 0 or new < next_impl):
+                fn = item.search(text, new)
+                assert fn is not None
+                found[cls] = pyo3_params(text[new : fn.start()], bracketed(text, fn.end() - 1))
+        for doc in re.finditer(r"#\[doc = docstring!\(([\w.]+)\)\]", text):
+            fn = item.search(text, doc.end())
+            if fn is None:
+                continue
+            attrs = text[doc.end() : fn.start()]
+            if re.search(r"\bstruct\b|#\[(getter|setter|classattr)", attrs):
+                continue
+            found[doc.group(1)] = pyo3_params(attrs, bracketed(text, fn.end() - 1))
+    return found
+
+
+def class_of_struct(text: str, struct: str) -> str | None:
+    """The Python name of a ``#[pyclass(name = "...")]`` struct defined in ``text``."""
+    match = re.search(
+        r'#\[pyclass\([^]]*name = "(\w+)"[^]]*\)\]\s*(?:#\[[^]]*\]\s*)*pub struct '
+        + struct
+        + r"\b",
+        text,
+    )
+    return match.group(1) if match else None
+
+
+def reference_params(obj: Any) -> list[Param]:
+    params = list(inspect.signature(obj).parameters.values())
+    if not isinstance(obj, type) and params and params[0].name == "self":
+        params = params[1:]
+    return [
+        (
+            p.name,
+            p.kind is p.KEYWORD_ONLY,
+            NO_DEFAULT if p.default is p.empty else p.default,
+        )
+        for p in params
+    ]
+
+
+def signature_mismatches(ref: ModuleType) -> list[str]:
+    """Where a binding item's Python parameters differ from the reference's."""
+    rust = rust_signatures()
+    problems = []
+    for key, obj in api_objects(ref):
+        name = key.rpartition(".")[2]
+        if is_property_getter(key, ref) or name in API_DUNDERS:
+            continue
+        if key not in rust:
+            problems.append(f"{key}: no binding item documented by docstring!({key})")
+            continue
+        want, have = reference_params(obj), rust[key]
+        agree = len(want) == len(have) and all(
+            w[:2] == h[:2] and (w[2] == h[2] or (h[2] == GIVEN_ABSENT and w[2] != NO_DEFAULT))
+            for w, h in zip(want, have, strict=True)
+        )
+        if not agree:
+            problems.append(f"{key}: the reference has {want}, the binding {have}")
+    return problems
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -430,7 +582,10 @@ def main(argv: list[str] | None = None) -> int:
             print(diff)
         if diffs:
             print("stale: run `python tools/api_copies.py`", file=sys.stderr)
-        return 1 if diffs else 0
+        mismatches = signature_mismatches(reference())
+        for mismatch in mismatches:
+            print(mismatch)
+        return 1 if diffs or mismatches else 0
     for path, text in files.items():
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path.relative_to(REPO)}")
