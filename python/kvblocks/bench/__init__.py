@@ -11,6 +11,7 @@ column.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import platform
@@ -95,6 +96,33 @@ def _progress(done: int, total: int, label: str, out: TextIO) -> None:
     out.flush()
 
 
+#: glibc's ``mallopt`` parameters (``<malloc.h>``).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def _pin_allocator() -> None:
+    """Fixes glibc malloc's trim and mmap thresholds, so a timed run reuses the heap pages
+    earlier runs faulted in, whichever backend ran before it.
+
+    glibc adapts both thresholds to what was freed and returns the heap's free top to the
+    kernel, so whether a run's large allocations fault in fresh pages depends on the run
+    before it: ``rollback_manager_256``'s native run (8 MB of set tables) took 45% longer
+    after one version of the reference than after another. No-op off glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    # 32 MiB is glibc's ceiling for the mmap threshold on 64-bit platforms.
+    mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+
+
 def _timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> tuple[float, Any, Any]:
     """``run(setup())``, timed; returns ``(seconds, state, result)``.
 
@@ -140,6 +168,7 @@ def run(
     """
     backends = {name: load_backend(name) for name in ("python", "rust")}
     with_vllm = vllm_runner.available()
+    _pin_allocator()
     results = []
     total = len(selected) * rounds
     for i, spec in enumerate(selected):
