@@ -9,6 +9,7 @@
 //! * [`pool`] — the block pool: ref counts, allocation, frees, touch, caching, eviction.
 //! * [`hashing`] — vLLM-identical block hashing (pickle / CBOR serialisation, SHA-256, xxh3).
 //! * [`manager`] — the request-level KV cache manager for one full-attention group.
+//! * [`request`] — what the manager reads of a request, behind two small traits.
 //! * [`rollback`] — rolling requests back past KV blocks whose load failed.
 //! * [`events`] — KV cache events (vLLM's `BlockStored` / `BlockRemoved` /
 //!   `AllBlocksCleared`) as compact records.
@@ -23,6 +24,7 @@ pub mod manager;
 pub mod new_blocks;
 pub mod pool;
 pub mod prefix_map;
+pub mod request;
 pub mod rollback;
 
 pub use block_hash::BlockHash;

@@ -8,7 +8,7 @@
 //!
 //! With KV cache events enabled ([`KVCacheManager::enable_kv_cache_events`]) each
 //! caching step records one `BlockStored` with the request's token ids for the blocks
-//! it caches, read through the hash source's [`TokenSource`] (only then: callers
+//! it caches, read through the hash source's [`TokenSource`](crate::request::TokenSource) (only then: callers
 //! without events never provide tokens); the pool records the removals.
 //!
 //! Every method validates first and mutates after: an `Err` (and an `Ok(None)` from
@@ -29,102 +29,10 @@ use crate::error::{non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::index::ix;
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
+use crate::request::{HashSource, RequestView};
 
 /// The KV cache group id of the single full-attention group.
 const GROUP_ID: u32 = 0;
-
-/// A request's full-block hashes, in block order (vLLM's `request.block_hashes`).
-///
-/// Implementations may convert lazily (e.g. from a Python list): the manager asks only
-/// for the ranges it needs, always within `0 .. num_hashes()`.
-pub trait HashSource {
-    /// How many block hashes the request has.
-    fn num_hashes(&self) -> usize;
-
-    /// Appends the hashes in `range` to `out`.
-    ///
-    /// # Errors
-    /// Any error the conversion hits (e.g. [`Error::HashTooLong`]). The manager passes
-    /// it on unchanged, having changed nothing.
-    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> Result<()>;
-
-    /// Hash `i` alone (a lookup reads hashes one at a time, up to the first miss).
-    ///
-    /// # Errors
-    /// Those of [`HashSource::hashes`]; [`Error::TooFewHashes`] if it gave no hash.
-    fn hash(&self, i: usize) -> Result<BlockHash> {
-        let mut one = Vec::with_capacity(1);
-        self.hashes(i..i + 1, &mut one)?;
-        one.first().copied().ok_or(Error::TooFewHashes {
-            needed: i + 1,
-            got: i,
-        })
-    }
-
-    /// The request's token ids, if this source provides them. A manager asks only
-    /// when KV cache events are on (for `BlockStored.token_ids`); it then refuses to
-    /// cache the blocks of a request whose source returns `None` (the default).
-    fn token_source(&self) -> Option<&dyn TokenSource> {
-        None
-    }
-}
-
-/// A request's token ids, prompt then output (vLLM's `request.all_token_ids`).
-pub trait TokenSource {
-    /// Appends the token ids in `range` to `out`: fewer if the request has fewer (as
-    /// a Python slice), `block_size` tokens per block of `range`. The manager asks once
-    /// per caching step, for the blocks it is about to cache, before changing anything.
-    ///
-    /// # Errors
-    /// Any error the conversion hits; the manager passes it on, having changed nothing.
-    fn token_ids(&self, range: Range<usize>, block_size: usize, out: &mut Vec<i64>) -> Result<()>;
-}
-
-impl TokenSource for Vec<i64> {
-    fn token_ids(&self, range: Range<usize>, _block_size: usize, out: &mut Vec<i64>) -> Result<()> {
-        let end = range.end.min(self.len());
-        out.extend_from_slice(self.get(range.start.min(end)..end).unwrap_or_default());
-        Ok(())
-    }
-}
-
-impl HashSource for [BlockHash] {
-    fn num_hashes(&self) -> usize {
-        self.len()
-    }
-
-    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> Result<()> {
-        let (start, end) = (range.start, range.end);
-        let slice = self.get(range).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "block hash range {start}..{end} is outside the {} hashes given",
-                self.len()
-            ))
-        })?;
-        out.extend_from_slice(slice);
-        Ok(())
-    }
-
-    fn hash(&self, i: usize) -> Result<BlockHash> {
-        self.get(i).copied().ok_or(Error::TooFewHashes {
-            needed: i + 1,
-            got: self.len(),
-        })
-    }
-}
-
-/// What the manager reads of a request (vLLM's duck-typed `Request`).
-#[derive(Debug, Clone, Copy)]
-pub struct RequestView<'a, H: ?Sized> {
-    /// The request id.
-    pub request_id: &'a str,
-    /// Prompt plus output tokens so far.
-    pub num_tokens: i64,
-    /// Tokens whose KV is computed (or scheduled) before this call.
-    pub num_computed_tokens: i64,
-    /// The hashes of the request's full blocks.
-    pub block_hashes: &'a H,
-}
 
 /// The optional arguments of [`KVCacheManager::allocate_slots`], vLLM's defaults
 /// being `Default::default()` (with `num_new_tokens` set by the caller).

@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use common::{golden, TestRequest};
 use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
 use kvblocks_core::hashing::{BlockHasher, HashAlgo};
-use kvblocks_core::manager::{KVCacheManager, RequestView, SlotRequest};
+use kvblocks_core::manager::{KVCacheManager, SlotRequest};
+use kvblocks_core::request::RequestView;
 use kvblocks_core::{BlockHash, Error};
 use serde_json::{json, Value};
 

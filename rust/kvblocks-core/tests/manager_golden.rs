@@ -10,9 +10,8 @@ use std::collections::BTreeMap;
 
 use common::{golden, hex_decode, TestRequest};
 use kvblocks_core::hashing::{BlockHasher, HashAlgo};
-use kvblocks_core::manager::{
-    HashSource, KVCacheManager, PrefixCacheStats, RequestView, SlotRequest,
-};
+use kvblocks_core::manager::{KVCacheManager, PrefixCacheStats, SlotRequest};
+use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::{BlockHash, Error};
 use serde_json::Value;
 

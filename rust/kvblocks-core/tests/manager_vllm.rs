@@ -8,7 +8,8 @@ mod common;
 
 use common::Source;
 use kvblocks_core::events::EventRecord;
-use kvblocks_core::manager::{KVCacheManager, Lookup, PrefixCacheStats, RequestView, SlotRequest};
+use kvblocks_core::manager::{KVCacheManager, Lookup, PrefixCacheStats, SlotRequest};
+use kvblocks_core::request::RequestView;
 use kvblocks_core::{BlockHash, Error};
 
 const BS: i64 = 4;

@@ -14,7 +14,8 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
-use kvblocks_core::manager::{HashSource, KVCacheManager, RequestView, TokenSource};
+use kvblocks_core::manager::KVCacheManager;
+use kvblocks_core::request::{HashSource, RequestView, TokenSource};
 use kvblocks_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;

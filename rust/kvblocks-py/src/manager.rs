@@ -8,9 +8,8 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use kvblocks_core::manager::{
-    HashSource, KVCacheManager as CoreManager, PrefixCacheStats, RequestView, SlotRequest,
-};
+use kvblocks_core::manager::{KVCacheManager as CoreManager, PrefixCacheStats, SlotRequest};
+use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};

@@ -12,7 +12,8 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use hashbrown::HashMap;
-use kvblocks_core::manager::{HashSource, Lookup, RequestView, SlotRequest};
+use kvblocks_core::manager::{Lookup, SlotRequest};
+use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::intern;

@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use kvblocks_core::hashing::BlockHasher;
-use kvblocks_core::manager::{HashSource, RequestView, TokenSource};
+use kvblocks_core::request::{HashSource, RequestView, TokenSource};
 use kvblocks_core::BlockHash;
 use serde_json::Value;
 
