@@ -117,7 +117,11 @@ def to_int_list(values: Iterable[SupportsIndex]) -> list[int]:
         kind = getattr(getattr(array, "dtype", None), "kind", None)
         if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
             values = array.tolist()
-    return [to_int(v) for v in materialise(values)]
+    # An exact int in range is its own value: only other items pay for the call.
+    return [
+        v if type(v) is int and INT64_MIN <= v <= INT64_MAX else to_int(v)
+        for v in materialise(values)
+    ]
 
 
 # Value-class fields, converted as the native classes store them: lists and sets of
