@@ -24,7 +24,7 @@ from kvblocks.errors import BlockStateError, InvariantError, NoFreeBlocksError
 from kvblocks.reference.borrow import Borrow, reads, writes
 from kvblocks.reference.kv_cache_utils import (
     MAX_NUM_BLOCKS,
-    BlockHashToBlockMap,
+    BlockHashKey,
     BlockState,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -43,7 +43,58 @@ from kvblocks.reference.kv_cache_utils import (
 if TYPE_CHECKING:
     from kvblocks.events import KVCacheEvent
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool"]
+
+
+class BlockHashToBlockMap:
+    """The prefix cache: ``(block_hash, group_id)`` -> the blocks cached under that key.
+
+    vLLM does not deduplicate identical full blocks (block tables stay append-only), so a
+    key can map to several blocks. They are kept in insertion order and a lookup returns
+    the earliest-inserted one still cached. vLLM stores a lone block bare and several in a
+    ``{block_id: block}`` dict to save GC work; an insertion-ordered dict per key has the
+    same semantics.
+
+    Invariant: no key maps to an empty dict.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashKey, dict[int, BlockState]] = {}
+
+    def get_one_block(self, key: BlockHashKey) -> BlockState | None:
+        """The first-inserted block still cached under ``key``, or ``None``."""
+        blocks = self._cache.get(key)
+        if not blocks:
+            return None
+        return next(iter(blocks.values()))
+
+    def contains(self, key: BlockHashKey, block_id: int) -> bool:
+        """Whether block ``block_id`` is cached under ``key``."""
+        return block_id in self._cache.get(key, {})
+
+    def insert(self, key: BlockHashKey, block: BlockState) -> None:
+        """Adds ``block`` under ``key``, after any blocks already there."""
+        self._cache.setdefault(key, {})[block.block_id] = block
+
+    def pop(self, key: BlockHashKey, block_id: int) -> BlockState | None:
+        """Removes block ``block_id`` from ``key``; returns it, or ``None`` if absent."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[key]
+        return block
+
+    def items(self) -> Iterator[tuple[BlockHashKey, dict[int, BlockState]]]:
+        """Every key with its blocks (for invariant checks)."""
+        return iter(self._cache.items())
+
+    def __len__(self) -> int:
+        """The number of keys."""
+        return len(self._cache)
 
 
 class BlockPool:
