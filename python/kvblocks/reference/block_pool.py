@@ -233,26 +233,10 @@ class BlockPool:
             BlockStateError: ``block {id} is already free (ref count 0)``, also when an id
                 repeats more often than its ref count.
         """
-        ids = to_int_list(block_ids)
-        check_block_ids(ids, self._num_blocks)
-        # Simulate the decrements first so that a double free anywhere in the call is
-        # refused before any ref count changes.
-        remaining: dict[int, int] = {}
-        for block_id in ids:
-            block = self._blocks[block_id]
-            if block.is_null:
-                continue
-            left = remaining.get(block_id, block.ref_cnt)
-            if left == 0:
-                raise BlockStateError(f"block {block_id} is already free (ref count 0)")
-            remaining[block_id] = left - 1
-
+        blocks = self._read_blocks_to_free(block_ids)
         evict_first: list[BlockState] = []
         evict_last: list[BlockState] = []
-        for block_id in ids:
-            block = self._blocks[block_id]
-            if block.is_null:
-                continue
+        for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self._enable_caching:
@@ -263,6 +247,21 @@ class BlockPool:
         self._free_block_queue.prepend_n(evict_first)
         # Hashed blocks stay cached as long as possible (FIFO gives LRU eviction).
         self._free_block_queue.append_n(evict_last)
+
+    def _read_blocks_to_free(self, block_ids: Iterable[int]) -> list[BlockState]:
+        """The non-null blocks of :meth:`free_blocks`, in order, checked before any change.
+
+        The decrements are simulated, so a double free anywhere in the call is refused
+        before any ref count changes.
+        """
+        blocks = [block for block in self._read_blocks(block_ids) if not block.is_null]
+        remaining: dict[int, int] = {}
+        for block in blocks:
+            left = remaining.get(block.block_id, block.ref_cnt)
+            if left == 0:
+                raise BlockStateError(f"block {block.block_id} is already free (ref count 0)")
+            remaining[block.block_id] = left - 1
+        return blocks
 
     @writes
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -278,16 +277,19 @@ class BlockPool:
             TypeError: an id is not an int.
             UnknownBlockError: an id is out of range.
         """
-        ids = to_int_list(block_ids)
-        check_block_ids(ids, self._num_blocks)
-        for block_id in ids:
-            block = self._blocks[block_id]
+        for block in self._read_blocks(block_ids):
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 # Queue invariant: a non-null block with ref_cnt 0 is in the free queue.
                 self._free_block_queue.remove(block)
             block.ref_cnt += 1
+
+    def _read_blocks(self, block_ids: Iterable[int]) -> list[BlockState]:
+        """The blocks of ``block_ids``: every id converted first, then every id checked."""
+        ids = to_int_list(block_ids)
+        check_block_ids(ids, self._num_blocks)
+        return [self._blocks[block_id] for block_id in ids]
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -451,10 +453,8 @@ class BlockPool:
             TypeError: an id is not an int.
             UnknownBlockError: an id is out of range.
         """
-        ids = to_int_list(block_ids)
-        check_block_ids(ids, self._num_blocks)
-        for block_id in ids:
-            self._maybe_evict_cached_block(self._blocks[block_id])
+        for block in self._read_blocks(block_ids):
+            self._maybe_evict_cached_block(block)
 
     @writes
     def reset_prefix_cache(self) -> bool:
