@@ -327,6 +327,25 @@ class BlockPool:
             BlockStateError: ``block {id} already has a hash`` (also when a block occurs
                 twice among the blocks to cache).
         """
+        to_cache = self._read_cache_full_blocks_args(
+            block_ids, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id
+        )
+        for block, key in to_cache:
+            block.set_hash(*key)
+            self._cached_block_hash_to_block.insert(key, block)
+
+    def _read_cache_full_blocks_args(
+        self,
+        block_ids: Iterable[int],
+        block_hashes: Iterable[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        kv_cache_group_id: int,
+    ) -> list[tuple[BlockState, BlockHashKey]]:
+        """The blocks :meth:`cache_full_blocks` caches, each with its key, checked in full.
+
+        Null blocks are left out; ``[]`` when no block is newly full.
+        """
         # 1. Types, in signature order.
         ids = to_int_list(block_ids)
         hashes = list(block_hashes)
@@ -346,12 +365,12 @@ class BlockPool:
         if len(hashes) < num_full_blocks:
             raise ValueError(f"need {num_full_blocks} block hashes, got {len(hashes)}")
         if num_cached_blocks >= num_full_blocks:
-            return
+            return []
         # Only the hashes of the blocks to cache are read (the caller passes the
         # request's whole hash list, as vLLM does).
         new_hashes = to_block_hashes(hashes[num_cached_blocks:num_full_blocks])
         # 4. State: each block to cache must be unhashed (a full block is cached once).
-        to_cache: list[tuple[BlockState, bytes]] = []
+        to_cache: list[tuple[BlockState, BlockHashKey]] = []
         seen: set[int] = set()
         for i in range(num_cached_blocks, num_full_blocks):
             block = self._blocks[ids[i]]
@@ -360,11 +379,8 @@ class BlockPool:
             if block.block_hash is not None or block.block_id in seen:
                 raise BlockStateError(f"block {block.block_id} already has a hash")
             seen.add(block.block_id)
-            to_cache.append((block, new_hashes[i - num_cached_blocks]))
-
-        for block, block_hash in to_cache:
-            block.set_hash(block_hash, kv_cache_group_id)
-            self._cached_block_hash_to_block.insert((block_hash, kv_cache_group_id), block)
+            to_cache.append((block, (new_hashes[i - num_cached_blocks], kv_cache_group_id)))
+        return to_cache
 
     @reads
     def get_cached_block(
