@@ -32,6 +32,7 @@ from kvblocks.reference.kv_cache_utils import (
     check_block_ids,
     check_group_id,
     check_non_negative,
+    check_num_full_blocks,
     check_positive,
     materialise,
     to_block_hash,
@@ -358,10 +359,7 @@ class BlockPool:
         check_non_negative("num_full_blocks", num_full_blocks)
         check_group_id(kv_cache_group_id)
         # 3. Consistency between arguments.
-        if num_full_blocks > len(ids):
-            raise ValueError(
-                f"num_full_blocks {num_full_blocks} exceeds the {len(ids)} block ids given"
-            )
+        check_num_full_blocks(num_full_blocks, len(ids))
         if len(hashes) < num_full_blocks:
             raise ValueError(f"need {num_full_blocks} block hashes, got {len(hashes)}")
         if num_cached_blocks >= num_full_blocks:

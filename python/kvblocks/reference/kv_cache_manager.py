@@ -28,6 +28,7 @@ from kvblocks.reference.kv_cache_utils import (
     check_block_hash,
     check_block_ids,
     check_non_negative,
+    check_num_full_blocks,
     check_positive,
     to_block_hash,
     to_block_hashes,
@@ -491,10 +492,7 @@ class KVCacheManager:
         request_id = view.request_id
         req_blocks = self._req_to_blocks.get(request_id, [])
         num_full = min(num_computed_tokens // self._block_size, view.num_block_hashes)
-        if num_full > len(req_blocks):
-            raise ValueError(
-                f"num_full_blocks {num_full} exceeds the {len(req_blocks)} block ids given"
-            )
+        check_num_full_blocks(num_full, len(req_blocks))
         num_cached = self._num_cached_block.get(request_id, 0)
         plan = self._plan_caching(
             view, req_blocks, num_cached, num_computed_tokens, len(req_blocks)

@@ -30,6 +30,7 @@ __all__ = [
     "check_block_ids",
     "check_group_id",
     "check_non_negative",
+    "check_num_full_blocks",
     "check_positive",
     "exact_str",
     "materialise",
@@ -258,6 +259,18 @@ def check_non_negative(name: str, value: int) -> None:
     """Raises ``ValueError("{name} must be non-negative, got {value}")`` if ``value < 0``."""
     if value < 0:
         raise ValueError(f"{name} must be non-negative, got {value}")
+
+
+def check_num_full_blocks(num_full_blocks: int, num_block_ids: int) -> None:
+    """Checks that a block table holds the blocks to cache.
+
+    Raises:
+        ValueError: ``num_full_blocks {nf} exceeds the {len} block ids given``.
+    """
+    if num_full_blocks > num_block_ids:
+        raise ValueError(
+            f"num_full_blocks {num_full_blocks} exceeds the {num_block_ids} block ids given"
+        )
 
 
 def check_positive(name: str, value: int) -> None:
