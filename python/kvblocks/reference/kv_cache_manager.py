@@ -572,19 +572,27 @@ class KVCacheManager:
                 non-negative, got {v}`` or ``num_hits {h} exceeds the request's {n} tokens``,
                 whether stats are on or not.
         """
+        # Checked even with stats off, so a bad call fails the same way either way.
+        num_tokens, num_hits = self._read_record_prefix_cache_stats_args(request, num_hits)
+        stats = self._prefix_cache_stats
+        if stats is not None:
+            # Counters only grow: every recorded value was checked non-negative.
+            self._prefix_cache_stats = PrefixCacheStats(
+                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
+            )
+
+    @staticmethod
+    def _read_record_prefix_cache_stats_args(
+        request: RequestLike, num_hits: int
+    ) -> tuple[int, int]:
+        """``(request.num_tokens, num_hits)``, both non-negative, the hits within the tokens."""
         num_hits = to_int(num_hits)
         num_tokens = RequestView.read(request).num_tokens
-        # Validated even with stats off, so a bad call fails the same way either way.
         check_non_negative("num_tokens", num_tokens)
         check_non_negative("num_hits", num_hits)
         if num_hits > num_tokens:
             raise ValueError(f"num_hits {num_hits} exceeds the request's {num_tokens} tokens")
-        stats = self._prefix_cache_stats
-        if stats is not None:
-            # Counters only grow: every recorded value was checked non-negative above.
-            self._prefix_cache_stats = PrefixCacheStats(
-                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
-            )
+        return num_tokens, num_hits
 
     @writes
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
