@@ -415,6 +415,24 @@ def handle_failed_recving(
         ValueError: Bad policy, a negative token count, or a request given twice.
     """
     recompute = _check_policy(policy)
+    matched, matched_ids, lost = _read_failed_recving(failed_req_ids, waiting_for_remote_kvs)
+    if recompute:
+        for request in matched:
+            request.num_computed_tokens = 0
+    return InvalidBlocksOutcome(
+        failed_req_ids=set() if recompute else matched_ids,
+        rescheduled_req_ids=set(),
+        retry_req_ids=matched_ids if recompute else set(),
+        evicted_block_ids=set(),
+        total_affected_tokens=sum(lost),
+    )
+
+
+def _read_failed_recving(
+    failed_req_ids: Iterable[str], waiting_for_remote_kvs: Iterable[RequestLike]
+) -> tuple[list[RequestLike], set[str], list[int]]:
+    """:func:`handle_failed_recving`'s inputs, read once and checked: the waiting requests
+    reported as failed, their ids and their ``num_computed_tokens``."""
     reported = [to_request_id(i, "failed_req_ids item") for i in materialise(failed_req_ids)]
     failed = set(reported)
     waiting = list(materialise(waiting_for_remote_kvs))
@@ -428,16 +446,7 @@ def handle_failed_recving(
     # In the order they were reported, as vLLM's `_handle_failed_recving` adds them.
     waiting_ids = set(ids)
     matched_ids = {i for i in reported if i in waiting_ids}
-    if recompute:
-        for request in matched:
-            request.num_computed_tokens = 0
-    return InvalidBlocksOutcome(
-        failed_req_ids=set() if recompute else matched_ids,
-        rescheduled_req_ids=set(),
-        retry_req_ids=matched_ids if recompute else set(),
-        evicted_block_ids=set(),
-        total_affected_tokens=sum(lost),
-    )
+    return matched, matched_ids, lost
 
 
 def _read_passes(
