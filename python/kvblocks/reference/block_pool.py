@@ -24,7 +24,7 @@ from kvblocks.errors import BlockStateError, InvariantError, NoFreeBlocksError
 from kvblocks.reference.borrow import Borrow, reads, writes
 from kvblocks.reference.kv_cache_utils import (
     MAX_NUM_BLOCKS,
-    BlockHashToBlockMap,
+    BlockHashKey,
     BlockState,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -32,6 +32,7 @@ from kvblocks.reference.kv_cache_utils import (
     check_block_ids,
     check_group_id,
     check_non_negative,
+    check_num_full_blocks,
     check_positive,
     materialise,
     to_block_hash,
@@ -43,7 +44,58 @@ from kvblocks.reference.kv_cache_utils import (
 if TYPE_CHECKING:
     from kvblocks.events import KVCacheEvent
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool"]
+
+
+class BlockHashToBlockMap:
+    """The prefix cache: ``(block_hash, group_id)`` -> the blocks cached under that key.
+
+    vLLM does not deduplicate identical full blocks (block tables stay append-only), so a
+    key can map to several blocks. They are kept in insertion order and a lookup returns
+    the earliest-inserted one still cached. vLLM stores a lone block bare and several in a
+    ``{block_id: block}`` dict to save GC work; an insertion-ordered dict per key has the
+    same semantics.
+
+    Invariant: no key maps to an empty dict.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashKey, dict[int, BlockState]] = {}
+
+    def get_one_block(self, key: BlockHashKey) -> BlockState | None:
+        """The first-inserted block still cached under ``key``, or ``None``."""
+        blocks = self._cache.get(key)
+        if not blocks:
+            return None
+        return next(iter(blocks.values()))
+
+    def contains(self, key: BlockHashKey, block_id: int) -> bool:
+        """Whether block ``block_id`` is cached under ``key``."""
+        return block_id in self._cache.get(key, {})
+
+    def insert(self, key: BlockHashKey, block: BlockState) -> None:
+        """Adds ``block`` under ``key``, after any blocks already there."""
+        self._cache.setdefault(key, {})[block.block_id] = block
+
+    def pop(self, key: BlockHashKey, block_id: int) -> BlockState | None:
+        """Removes block ``block_id`` from ``key``; returns it, or ``None`` if absent."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[key]
+        return block
+
+    def items(self) -> Iterator[tuple[BlockHashKey, dict[int, BlockState]]]:
+        """Every key with its blocks (for invariant checks)."""
+        return iter(self._cache.items())
+
+    def __len__(self) -> int:
+        """The number of keys."""
+        return len(self._cache)
 
 
 class BlockPool:
@@ -182,26 +234,10 @@ class BlockPool:
             BlockStateError: ``block {id} is already free (ref count 0)``, also when an id
                 repeats more often than its ref count.
         """
-        ids = to_int_list(block_ids)
-        check_block_ids(ids, self._num_blocks)
-        # Simulate the decrements first so that a double free anywhere in the call is
-        # refused before any ref count changes.
-        remaining: dict[int, int] = {}
-        for block_id in ids:
-            block = self._blocks[block_id]
-            if block.is_null:
-                continue
-            left = remaining.get(block_id, block.ref_cnt)
-            if left == 0:
-                raise BlockStateError(f"block {block_id} is already free (ref count 0)")
-            remaining[block_id] = left - 1
-
+        blocks = self._read_blocks_to_free(block_ids)
         evict_first: list[BlockState] = []
         evict_last: list[BlockState] = []
-        for block_id in ids:
-            block = self._blocks[block_id]
-            if block.is_null:
-                continue
+        for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self._enable_caching:
@@ -212,6 +248,21 @@ class BlockPool:
         self._free_block_queue.prepend_n(evict_first)
         # Hashed blocks stay cached as long as possible (FIFO gives LRU eviction).
         self._free_block_queue.append_n(evict_last)
+
+    def _read_blocks_to_free(self, block_ids: Iterable[int]) -> list[BlockState]:
+        """The non-null blocks of :meth:`free_blocks`, in order, checked before any change.
+
+        The decrements are simulated, so a double free anywhere in the call is refused
+        before any ref count changes.
+        """
+        blocks = [block for block in self._read_blocks(block_ids) if not block.is_null]
+        remaining: dict[int, int] = {}
+        for block in blocks:
+            left = remaining.get(block.block_id, block.ref_cnt)
+            if left == 0:
+                raise BlockStateError(f"block {block.block_id} is already free (ref count 0)")
+            remaining[block.block_id] = left - 1
+        return blocks
 
     @writes
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -227,16 +278,19 @@ class BlockPool:
             TypeError: an id is not an int.
             UnknownBlockError: an id is out of range.
         """
-        ids = to_int_list(block_ids)
-        check_block_ids(ids, self._num_blocks)
-        for block_id in ids:
-            block = self._blocks[block_id]
+        for block in self._read_blocks(block_ids):
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 # Queue invariant: a non-null block with ref_cnt 0 is in the free queue.
                 self._free_block_queue.remove(block)
             block.ref_cnt += 1
+
+    def _read_blocks(self, block_ids: Iterable[int]) -> list[BlockState]:
+        """The blocks of ``block_ids``: every id converted first, then every id checked."""
+        ids = to_int_list(block_ids)
+        check_block_ids(ids, self._num_blocks)
+        return [self._blocks[block_id] for block_id in ids]
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -274,6 +328,25 @@ class BlockPool:
             BlockStateError: ``block {id} already has a hash`` (also when a block occurs
                 twice among the blocks to cache).
         """
+        to_cache = self._read_cache_full_blocks_args(
+            block_ids, block_hashes, num_cached_blocks, num_full_blocks, kv_cache_group_id
+        )
+        for block, key in to_cache:
+            block.set_hash(*key)
+            self._cached_block_hash_to_block.insert(key, block)
+
+    def _read_cache_full_blocks_args(
+        self,
+        block_ids: Iterable[int],
+        block_hashes: Iterable[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        kv_cache_group_id: int,
+    ) -> list[tuple[BlockState, BlockHashKey]]:
+        """The blocks :meth:`cache_full_blocks` caches, each with its key, checked in full.
+
+        Null blocks are left out; ``[]`` when no block is newly full.
+        """
         # 1. Types, in signature order.
         ids = to_int_list(block_ids)
         hashes = list(block_hashes)
@@ -286,19 +359,16 @@ class BlockPool:
         check_non_negative("num_full_blocks", num_full_blocks)
         check_group_id(kv_cache_group_id)
         # 3. Consistency between arguments.
-        if num_full_blocks > len(ids):
-            raise ValueError(
-                f"num_full_blocks {num_full_blocks} exceeds the {len(ids)} block ids given"
-            )
+        check_num_full_blocks(num_full_blocks, len(ids))
         if len(hashes) < num_full_blocks:
             raise ValueError(f"need {num_full_blocks} block hashes, got {len(hashes)}")
         if num_cached_blocks >= num_full_blocks:
-            return
+            return []
         # Only the hashes of the blocks to cache are read (the caller passes the
         # request's whole hash list, as vLLM does).
         new_hashes = to_block_hashes(hashes[num_cached_blocks:num_full_blocks])
         # 4. State: each block to cache must be unhashed (a full block is cached once).
-        to_cache: list[tuple[BlockState, bytes]] = []
+        to_cache: list[tuple[BlockState, BlockHashKey]] = []
         seen: set[int] = set()
         for i in range(num_cached_blocks, num_full_blocks):
             block = self._blocks[ids[i]]
@@ -307,11 +377,8 @@ class BlockPool:
             if block.block_hash is not None or block.block_id in seen:
                 raise BlockStateError(f"block {block.block_id} already has a hash")
             seen.add(block.block_id)
-            to_cache.append((block, new_hashes[i - num_cached_blocks]))
-
-        for block, block_hash in to_cache:
-            block.set_hash(block_hash, kv_cache_group_id)
-            self._cached_block_hash_to_block.insert((block_hash, kv_cache_group_id), block)
+            to_cache.append((block, (new_hashes[i - num_cached_blocks], kv_cache_group_id)))
+        return to_cache
 
     @reads
     def get_cached_block(
@@ -400,10 +467,8 @@ class BlockPool:
             TypeError: an id is not an int.
             UnknownBlockError: an id is out of range.
         """
-        ids = to_int_list(block_ids)
-        check_block_ids(ids, self._num_blocks)
-        for block_id in ids:
-            self._maybe_evict_cached_block(self._blocks[block_id])
+        for block in self._read_blocks(block_ids):
+            self._maybe_evict_cached_block(block)
 
     @writes
     def reset_prefix_cache(self) -> bool:

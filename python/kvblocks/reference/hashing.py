@@ -260,6 +260,22 @@ def _check_parent(parent: object) -> bytes | None:
     raise TypeError(f"parent hash must be bytes or None, got {type(parent).__name__}")
 
 
+def _check_extra_keys_per_block(extra_keys: object, num_blocks: int) -> None:
+    """Checks ``hash_blocks``' ``extra_keys``: a list or tuple of ``num_blocks`` valid keys."""
+    if not isinstance(extra_keys, list | tuple):
+        raise TypeError(
+            "extra_keys must be a list or tuple with one entry per full block, "
+            f"or None; got {type(extra_keys).__name__}"
+        )
+    if len(extra_keys) != num_blocks:
+        raise ValueError(
+            "extra_keys must have one entry per full block: "
+            f"got {len(extra_keys)} for {num_blocks} full blocks"
+        )
+    for keys in extra_keys:
+        check_extra_keys(keys)
+
+
 class HashableRequest(Protocol):
     """What ``BlockHasher.__call__`` reads from a request (vLLM's ``Request`` fits).
 
@@ -460,20 +476,8 @@ class BlockHasher:
         """
         tokens = check_token_ids(token_ids)
         parent = _check_parent(parent)
-        num_blocks = len(tokens) // self._block_size
         if extra_keys is not None:
-            if not isinstance(extra_keys, list | tuple):
-                raise TypeError(
-                    "extra_keys must be a list or tuple with one entry per full block, "
-                    f"or None; got {type(extra_keys).__name__}"
-                )
-            if len(extra_keys) != num_blocks:
-                raise ValueError(
-                    "extra_keys must have one entry per full block: "
-                    f"got {len(extra_keys)} for {num_blocks} full blocks"
-                )
-            for keys in extra_keys:
-                check_extra_keys(keys)
+            _check_extra_keys_per_block(extra_keys, len(tokens) // self._block_size)
         return self._chain(parent, tokens, extra_keys)
 
     def __call__(self, request: HashableRequest) -> list[bytes]:

@@ -28,6 +28,7 @@ from kvblocks.reference.kv_cache_utils import (
     check_block_hash,
     check_block_ids,
     check_non_negative,
+    check_num_full_blocks,
     check_positive,
     to_block_hash,
     to_block_hashes,
@@ -120,6 +121,23 @@ class RequestView:
         block_hash = to_block_hash(self.block_hashes[i])
         check_block_hash(block_hash)
         return block_hash
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _AllocateSlotsArgs:
+    """The arguments of one ``allocate_slots`` call, read and checked, and what the
+    request holds: its table, whether it is known, whether it adopts hits now."""
+
+    view: RequestView
+    num_new_tokens: int
+    num_new_computed_tokens: int
+    hits: list[int]
+    num_lookahead_tokens: int
+    num_external_computed_tokens: int
+    delay_cache_blocks: bool
+    req_blocks: list[int]
+    is_known: bool
+    adopts: bool
 
 
 class KVCacheManager:
@@ -324,6 +342,80 @@ class KVCacheManager:
                 or a block hash of the request is longer than 32 bytes.
             BlockStateError: a block to cache already has a hash.
         """
+        args = self._read_allocate_slots_args(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+        )
+        view, hits, req_blocks, adopts = args.view, args.hits, args.req_blocks, args.adopts
+        request_id = view.request_id
+        num_external_computed_tokens = args.num_external_computed_tokens
+
+        # Token counts, capped at max_model_len like vLLM.
+        num_local_computed_tokens = view.num_computed_tokens + args.num_new_computed_tokens
+        total_computed_tokens = self._cap(num_local_computed_tokens + num_external_computed_tokens)
+        num_tokens_main_model = total_computed_tokens + args.num_new_tokens
+        num_tokens_need_slot = self._cap(num_tokens_main_model + args.num_lookahead_tokens)
+        num_required_blocks = cdiv(num_tokens_need_slot, self._block_size)
+
+        if args.is_known:
+            num_blocks_to_allocate = max(num_required_blocks - len(req_blocks), 0)
+        else:
+            num_blocks_to_allocate = max(num_required_blocks - len(hits) - len(req_blocks), 0)
+            # A hit still in the free queue stops being free once touched, so it costs a
+            # free block just like a new one.
+            num_blocks_to_allocate += sum(1 for b in hits if self._pool.get_block(b).ref_cnt == 0)
+        if num_blocks_to_allocate > self._pool.get_num_free_blocks():
+            return None
+
+        # Plan (and check) the caching step before changing anything. The table will
+        # have final_len blocks; those beyond req_blocks come fresh, unhashed, from the pool.
+        num_blocks_after_adopt = len(hits) if adopts else len(req_blocks)
+        final_len = max(num_blocks_after_adopt, num_required_blocks)
+        plan = None
+        if self._enable_caching and not args.delay_cache_blocks:
+            num_cached = len(hits) if adopts else self._num_cached_block.get(request_id, 0)
+            # Only tokens that exist are cached (not lookahead slots), up to num_tokens.
+            num_tokens_to_cache = min(num_tokens_main_model, view.num_tokens)
+            plan = self._plan_caching(view, req_blocks, num_cached, num_tokens_to_cache, final_len)
+
+        # Adopt the hits and allocate blocks for the external tokens.
+        if adopts:
+            self._pool.touch(hits)
+            req_blocks = list(hits)
+            self._num_cached_block[request_id] = len(req_blocks)
+            if num_external_computed_tokens > 0:
+                num_external_blocks = cdiv(total_computed_tokens, self._block_size) - len(
+                    req_blocks
+                )
+                if num_external_blocks > 0:
+                    req_blocks.extend(self._pool.get_new_blocks(num_external_blocks))
+        # Slots for the new and lookahead tokens: the only blocks returned.
+        num_new_blocks = num_required_blocks - len(req_blocks)
+        new_blocks = self._pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        req_blocks = [*req_blocks, *new_blocks]
+        self._req_to_blocks[request_id] = req_blocks
+
+        # Cache every block that is now full, unless an async load must land first.
+        if plan is not None:
+            self._apply_caching(request_id, req_blocks, plan)
+        return new_blocks
+
+    def _read_allocate_slots_args(  # noqa: PLR0917 (allocate_slots' positional signature)
+        self,
+        request: RequestLike,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Iterable[int] | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> _AllocateSlotsArgs:
+        """What :meth:`allocate_slots` reads, converted and checked before any change."""
         # 1. Reads: the scalar arguments in signature order, the hits, then the request.
         num_new_tokens = to_int(num_new_tokens)
         num_new_computed_tokens = to_int(num_new_computed_tokens)
@@ -365,56 +457,18 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request_id} already holds blocks, so it cannot adopt computed tokens"
             )
-
-        # Token counts, capped at max_model_len like vLLM.
-        num_local_computed_tokens = num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = self._cap(num_local_computed_tokens + num_external_computed_tokens)
-        num_tokens_main_model = total_computed_tokens + num_new_tokens
-        num_tokens_need_slot = self._cap(num_tokens_main_model + num_lookahead_tokens)
-        num_required_blocks = cdiv(num_tokens_need_slot, self._block_size)
-
-        if is_known:
-            num_blocks_to_allocate = max(num_required_blocks - len(req_blocks), 0)
-        else:
-            num_blocks_to_allocate = max(num_required_blocks - len(hits) - len(req_blocks), 0)
-            # A hit still in the free queue stops being free once touched, so it costs a
-            # free block just like a new one.
-            num_blocks_to_allocate += sum(1 for b in hits if self._pool.get_block(b).ref_cnt == 0)
-        if num_blocks_to_allocate > self._pool.get_num_free_blocks():
-            return None
-
-        # Plan (and check) the caching step before changing anything. The table will
-        # have final_len blocks; those beyond req_blocks come fresh, unhashed, from the pool.
-        num_blocks_after_adopt = len(hits) if adopts else len(req_blocks)
-        final_len = max(num_blocks_after_adopt, num_required_blocks)
-        plan = None
-        if self._enable_caching and not delay_cache_blocks:
-            num_cached = len(hits) if adopts else self._num_cached_block.get(request_id, 0)
-            # Only tokens that exist are cached (not lookahead slots), up to num_tokens.
-            num_tokens_to_cache = min(num_tokens_main_model, num_tokens)
-            plan = self._plan_caching(view, req_blocks, num_cached, num_tokens_to_cache, final_len)
-
-        # Adopt the hits and allocate blocks for the external tokens.
-        if adopts:
-            self._pool.touch(hits)
-            req_blocks = list(hits)
-            self._num_cached_block[request_id] = len(req_blocks)
-            if num_external_computed_tokens > 0:
-                num_external_blocks = cdiv(total_computed_tokens, self._block_size) - len(
-                    req_blocks
-                )
-                if num_external_blocks > 0:
-                    req_blocks.extend(self._pool.get_new_blocks(num_external_blocks))
-        # Slots for the new and lookahead tokens: the only blocks returned.
-        num_new_blocks = num_required_blocks - len(req_blocks)
-        new_blocks = self._pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        req_blocks = [*req_blocks, *new_blocks]
-        self._req_to_blocks[request_id] = req_blocks
-
-        # Cache every block that is now full, unless an async load must land first.
-        if plan is not None:
-            self._apply_caching(request_id, req_blocks, plan)
-        return new_blocks
+        return _AllocateSlotsArgs(
+            view=view,
+            num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=num_new_computed_tokens,
+            hits=hits,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            req_blocks=req_blocks,
+            is_known=is_known,
+            adopts=adopts,
+        )
 
     @writes
     def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
@@ -438,10 +492,7 @@ class KVCacheManager:
         request_id = view.request_id
         req_blocks = self._req_to_blocks.get(request_id, [])
         num_full = min(num_computed_tokens // self._block_size, view.num_block_hashes)
-        if num_full > len(req_blocks):
-            raise ValueError(
-                f"num_full_blocks {num_full} exceeds the {len(req_blocks)} block ids given"
-            )
+        check_num_full_blocks(num_full, len(req_blocks))
         num_cached = self._num_cached_block.get(request_id, 0)
         plan = self._plan_caching(
             view, req_blocks, num_cached, num_computed_tokens, len(req_blocks)
@@ -521,19 +572,27 @@ class KVCacheManager:
                 non-negative, got {v}`` or ``num_hits {h} exceeds the request's {n} tokens``,
                 whether stats are on or not.
         """
+        # Checked even with stats off, so a bad call fails the same way either way.
+        num_tokens, num_hits = self._read_record_prefix_cache_stats_args(request, num_hits)
+        stats = self._prefix_cache_stats
+        if stats is not None:
+            # Counters only grow: every recorded value was checked non-negative.
+            self._prefix_cache_stats = PrefixCacheStats(
+                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
+            )
+
+    @staticmethod
+    def _read_record_prefix_cache_stats_args(
+        request: RequestLike, num_hits: int
+    ) -> tuple[int, int]:
+        """``(request.num_tokens, num_hits)``, both non-negative, the hits within the tokens."""
         num_hits = to_int(num_hits)
         num_tokens = RequestView.read(request).num_tokens
-        # Validated even with stats off, so a bad call fails the same way either way.
         check_non_negative("num_tokens", num_tokens)
         check_non_negative("num_hits", num_hits)
         if num_hits > num_tokens:
             raise ValueError(f"num_hits {num_hits} exceeds the request's {num_tokens} tokens")
-        stats = self._prefix_cache_stats
-        if stats is not None:
-            # Counters only grow: every recorded value was checked non-negative above.
-            self._prefix_cache_stats = PrefixCacheStats(
-                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
-            )
+        return num_tokens, num_hits
 
     @writes
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:

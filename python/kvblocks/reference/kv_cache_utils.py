@@ -22,7 +22,6 @@ __all__ = [
     "MAX_BLOCK_HASH_LEN",
     "MAX_GROUP_ID",
     "MAX_NUM_BLOCKS",
-    "BlockHashToBlockMap",
     "BlockState",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
@@ -31,6 +30,7 @@ __all__ = [
     "check_block_ids",
     "check_group_id",
     "check_non_negative",
+    "check_num_full_blocks",
     "check_positive",
     "exact_str",
     "materialise",
@@ -265,6 +265,18 @@ def check_non_negative(name: str, value: int) -> None:
         raise ValueError(f"{name} must be non-negative, got {value}")
 
 
+def check_num_full_blocks(num_full_blocks: int, num_block_ids: int) -> None:
+    """Checks that a block table holds the blocks to cache.
+
+    Raises:
+        ValueError: ``num_full_blocks {nf} exceeds the {len} block ids given``.
+    """
+    if num_full_blocks > num_block_ids:
+        raise ValueError(
+            f"num_full_blocks {num_full_blocks} exceeds the {num_block_ids} block ids given"
+        )
+
+
 def check_positive(name: str, value: int) -> None:
     """Raises ``ValueError("{name} must be positive, got {value}")`` if ``value <= 0``."""
     if value <= 0:
@@ -467,60 +479,6 @@ class FreeKVCacheBlockQueue:
     def get_all_free_blocks(self) -> list[BlockState]:
         """The free blocks, head first."""
         return list(self)
-
-
-# --------------------------------------------------------------------------- prefix map
-
-
-class BlockHashToBlockMap:
-    """The prefix cache: ``(block_hash, group_id)`` -> the blocks cached under that key.
-
-    vLLM does not deduplicate identical full blocks (block tables stay append-only), so a
-    key can map to several blocks. They are kept in insertion order and a lookup returns
-    the earliest-inserted one still cached. vLLM stores a lone block bare and several in a
-    ``{block_id: block}`` dict to save GC work; an insertion-ordered dict per key has the
-    same semantics.
-
-    Invariant: no key maps to an empty dict.
-    """
-
-    __slots__ = ("_cache",)
-
-    def __init__(self) -> None:
-        self._cache: dict[BlockHashKey, dict[int, BlockState]] = {}
-
-    def get_one_block(self, key: BlockHashKey) -> BlockState | None:
-        """The first-inserted block still cached under ``key``, or ``None``."""
-        blocks = self._cache.get(key)
-        if not blocks:
-            return None
-        return next(iter(blocks.values()))
-
-    def contains(self, key: BlockHashKey, block_id: int) -> bool:
-        """Whether block ``block_id`` is cached under ``key``."""
-        return block_id in self._cache.get(key, {})
-
-    def insert(self, key: BlockHashKey, block: BlockState) -> None:
-        """Adds ``block`` under ``key``, after any blocks already there."""
-        self._cache.setdefault(key, {})[block.block_id] = block
-
-    def pop(self, key: BlockHashKey, block_id: int) -> BlockState | None:
-        """Removes block ``block_id`` from ``key``; returns it, or ``None`` if absent."""
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return None
-        block = blocks.pop(block_id, None)
-        if not blocks:
-            del self._cache[key]
-        return block
-
-    def items(self) -> Iterator[tuple[BlockHashKey, dict[int, BlockState]]]:
-        """Every key with its blocks (for invariant checks)."""
-        return iter(self._cache.items())
-
-    def __len__(self) -> int:
-        """The number of keys."""
-        return len(self._cache)
 
 
 # --------------------------------------------------------------------------- stats

@@ -35,7 +35,7 @@ before this step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, SupportsIndex
 
 from kvblocks.constants import LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv
@@ -307,15 +307,10 @@ def update_requests_with_invalid_blocks(
     """
     collect_evictions = bool(evict_blocks)
     strict = _check_mode(mode)
-    _check_single_group(kv_cache_manager)
-    batch = _Pass.gather(requests, num_scheduled_tokens)
-    batch.check_unique(set())
-    tables = batch.tables(kv_cache_manager)
-    invalid = set(to_int_list(invalid_block_ids))
-    size = to_int(kv_cache_manager.block_size)
-    result, to_evict = _decide(
-        tables, batch.computed, batch.scheduled, invalid, size, collect_evictions, strict
+    (batch,), invalid, size = _read_passes(
+        kv_cache_manager, [requests], invalid_block_ids, num_scheduled_tokens
     )
+    result, to_evict = batch.decide(invalid, size, collect_evictions, strict)
     return batch.apply(result), result.total_affected_tokens, to_evict
 
 
@@ -364,25 +359,12 @@ def handle_invalid_blocks(
     """
     recompute = _check_policy(policy)
     strict = _check_mode(mode)
-    _check_single_group(kv_cache_manager)
-    # Every input is read once, in this order, before anything is decided.
-    async_pass = _Pass.gather(waiting_for_remote_kvs, num_scheduled_tokens)
-    sync_pass = _Pass.gather(running, num_scheduled_tokens)
-    seen: set[str] = set()
-    async_pass.check_unique(seen)
-    sync_pass.check_unique(seen)
-    async_tables = async_pass.tables(kv_cache_manager)
-    sync_tables = sync_pass.tables(kv_cache_manager)
-    invalid = set(to_int_list(invalid_block_ids))
-    size = to_int(kv_cache_manager.block_size)
-
+    (async_pass, sync_pass), invalid, size = _read_passes(
+        kv_cache_manager, [waiting_for_remote_kvs, running], invalid_block_ids, num_scheduled_tokens
+    )
     # Both passes are decided before anything is written, so an error changes nothing.
-    async_result, _ = _decide(
-        async_tables, async_pass.computed, async_pass.scheduled, invalid, size, False, strict
-    )
-    sync_result, to_evict = _decide(
-        sync_tables, sync_pass.computed, sync_pass.scheduled, invalid, size, True, strict
-    )
+    async_result, _ = async_pass.decide(invalid, size, False, strict)
+    sync_result, to_evict = sync_pass.decide(invalid, size, True, strict)
     evicted_block_ids: set[int] = set()
     if to_evict and (not recompute or strict):
         # vLLM's recompute keeps the hashes and rewrites the blocks in place; strict
@@ -437,6 +419,24 @@ def handle_failed_recving(
         ValueError: Bad policy, a negative token count, or a request given twice.
     """
     recompute = _check_policy(policy)
+    matched, matched_ids, lost = _read_failed_recving(failed_req_ids, waiting_for_remote_kvs)
+    if recompute:
+        for request in matched:
+            request.num_computed_tokens = 0
+    return InvalidBlocksOutcome(
+        failed_req_ids=set() if recompute else matched_ids,
+        rescheduled_req_ids=set(),
+        retry_req_ids=matched_ids if recompute else set(),
+        evicted_block_ids=set(),
+        total_affected_tokens=sum(lost),
+    )
+
+
+def _read_failed_recving(
+    failed_req_ids: Iterable[str], waiting_for_remote_kvs: Iterable[RequestLike]
+) -> tuple[list[RequestLike], set[str], list[int]]:
+    """:func:`handle_failed_recving`'s inputs, read once and checked: the waiting requests
+    reported as failed, their ids and their ``num_computed_tokens``."""
     reported = [to_request_id(i, "failed_req_ids item") for i in materialise(failed_req_ids)]
     failed = set(reported)
     waiting = list(materialise(waiting_for_remote_kvs))
@@ -450,16 +450,34 @@ def handle_failed_recving(
     # In the order they were reported, as vLLM's `_handle_failed_recving` adds them.
     waiting_ids = set(ids)
     matched_ids = {i for i in reported if i in waiting_ids}
-    if recompute:
-        for request in matched:
-            request.num_computed_tokens = 0
-    return InvalidBlocksOutcome(
-        failed_req_ids=set() if recompute else matched_ids,
-        rescheduled_req_ids=set(),
-        retry_req_ids=matched_ids if recompute else set(),
-        evicted_block_ids=set(),
-        total_affected_tokens=sum(lost),
-    )
+    return matched, matched_ids, lost
+
+
+def _read_passes(
+    kv_cache_manager: BlockTableSource,
+    passes: Sequence[Iterable[RequestLike]],
+    invalid_block_ids: Iterable[SupportsIndex],
+    num_scheduled_tokens: Mapping[str, SupportsIndex],
+) -> tuple[list[_Pass], set[int], int]:
+    """Every input of a rollback over ``passes``, each read once, before anything is decided.
+
+    In the order both backends read them: the manager's group count, each pass's
+    requests, their uniqueness across all passes, each pass's block tables, the invalid
+    block ids, the block size.
+
+    Returns:
+        The passes (block tables read), the invalid block ids and the block size.
+    """
+    _check_single_group(kv_cache_manager)
+    batches = [_Pass.gather(requests, num_scheduled_tokens) for requests in passes]
+    seen: set[str] = set()
+    for batch in batches:
+        batch.check_unique(seen)
+    for batch in batches:
+        batch.read_tables(kv_cache_manager)
+    invalid = set(to_int_list(invalid_block_ids))
+    size = to_int(kv_cache_manager.block_size)
+    return batches, invalid, size
 
 
 #: ``num_scheduled_tokens`` holds no entry for the request.
@@ -469,12 +487,14 @@ _UNSCHEDULED = object()
 @dataclass(slots=True)
 class _Pass:
     """One pass's requests, each read once: ``request_id``, then ``num_computed_tokens``,
-    then its entry of ``num_scheduled_tokens`` (0 when it has none)."""
+    then its entry of ``num_scheduled_tokens`` (0 when it has none); later, by
+    :meth:`read_tables`, its block table."""
 
     requests: list[RequestLike]
     ids: list[str]
     computed: list[int]
     scheduled: list[int]
+    tables: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def gather(
@@ -504,15 +524,23 @@ class _Pass:
         """Refuses a request met twice, in this pass or one already in ``seen``."""
         _check_unique(self.ids, seen)
 
-    def tables(self, kv_cache_manager: BlockTableSource) -> list[list[int]]:
-        """Each request's block table, converted as soon as it is read."""
+    def read_tables(self, kv_cache_manager: BlockTableSource) -> None:
+        """Reads each request's block table, converted as soon as it is read."""
         tables: list[list[int]] = []
         for request_id in self.ids:
             groups = kv_cache_manager.get_block_ids(request_id)
             if len(groups) != 1:
                 raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
             tables.append(to_int_list(groups[0]))
-        return tables
+        self.tables = tables
+
+    def decide(
+        self, invalid: set[int], size: int, collect_evictions: bool, strict: bool
+    ) -> tuple[RollbackResult, set[int]]:
+        """:func:`_decide` over this pass's columns."""
+        return _decide(
+            self.tables, self.computed, self.scheduled, invalid, size, collect_evictions, strict
+        )
 
     def apply(self, result: RollbackResult) -> set[str]:
         """Writes the affected requests' new token counts; returns their ids."""
