@@ -1,4 +1,4 @@
-"""Data structures of the block pool: blocks, the free queue, the prefix map, stats.
+"""Data structures of the block pool: blocks, the free queue, prefix-cache stats.
 
 This mirrors ``vllm/v1/core/kv_cache_utils.py`` of vLLM 0.33.0 for one full-attention
 KV cache group, with two differences that make the state observable and checkable:
