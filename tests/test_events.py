@@ -8,6 +8,7 @@ import collections
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import kvblocks.events
 import msgspec
 import pytest
 from conftest import golden_params, load_golden
@@ -492,3 +493,49 @@ def test_backends_emit_identical_streams_that_rebuild_the_cache(
                 assert +rebuilt == cached
         streams.append(stream)
     assert streams[0] == streams[1]
+
+
+def vllm_adapter_manager(**kwargs: Any) -> Any:
+    """The vLLM adapter's native half, with events on, and one request cached."""
+    manager = _native.VllmKVCacheManager(
+        16, 4, 64, enable_kv_cache_events=True, admission_statuses=[0], **kwargs
+    )
+    request = _native.Request("r", list(range(8)), block_hasher=_native.BlockHasher(4))
+    assert manager.allocate_slots(request, 8) is not None
+    return manager
+
+
+def test_the_vllm_adapter_builds_events_as_the_classes_it_is_given() -> None:
+    """The adapter passes vLLM's ``kv_events``; any module with the same fields works."""
+
+    class BlockStored(kvblocks.events.BlockStored):
+        pass
+
+    structs = SimpleNamespace(
+        BlockStored=BlockStored,
+        BlockRemoved=kvblocks.events.BlockRemoved,
+        AllBlocksCleared=kvblocks.events.AllBlocksCleared,
+    )
+    (stored,) = vllm_adapter_manager(
+        event_structs=structs, kv_cache_spec_kind="mla_attention"
+    ).take_events()
+    assert type(stored) is BlockStored
+    assert stored.kv_cache_spec_kind == "mla_attention"
+    assert stored.token_ids == list(range(8))
+    (default,) = vllm_adapter_manager().take_events()
+    assert type(default) is kvblocks.events.BlockStored
+    assert default.kv_cache_spec_kind == "full_attention"
+
+
+def test_the_vllm_adapter_refuses_event_classes_with_other_fields() -> None:
+    class BlockRemoved(msgspec.Struct):
+        block_hashes: list[bytes]
+        medium: str | None
+
+    structs = SimpleNamespace(
+        BlockStored=kvblocks.events.BlockStored,
+        BlockRemoved=BlockRemoved,
+        AllBlocksCleared=kvblocks.events.AllBlocksCleared,
+    )
+    with pytest.raises(TypeError, match=r"has the fields \('block_hashes', 'medium'\), not"):
+        vllm_adapter_manager(event_structs=structs)

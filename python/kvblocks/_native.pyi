@@ -339,6 +339,8 @@ class VllmKVCacheManager(KVCacheManager):
         enable_kv_cache_events: bool = False,
         watermark: float = 0.0,
         admission_statuses: Sequence[int],
+        event_structs: object = None,
+        kv_cache_spec_kind: str | None = None,
     ) -> Self: ...
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlocks: ...

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import msgspec
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_spec_kind
 from vllm.v1.metrics.stats import PrefixCacheStats
@@ -154,6 +153,8 @@ class KVCacheManager(VllmKVCacheManager):
             enable_kv_cache_events=config.enable_kv_cache_events,
             watermark=config.watermark,
             admission_statuses=list(ADMISSION_STATUSES),
+            event_structs=vllm_events,
+            kv_cache_spec_kind=spec_kind(config.kv_cache_config.kv_cache_groups[0].kv_cache_spec),
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -167,8 +168,7 @@ class KVCacheManager(VllmKVCacheManager):
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        # vLLM's annotation of BlockStored: "full_attention", or "mla_attention" for MLA.
-        self.kv_cache_event_metadata = ((get_kv_cache_spec_kind(spec).value, None),)
+        self.kv_cache_event_metadata = ((spec_kind(spec), None),)
         pool = BlockPool(
             super().block_pool,
             enable_caching=config.enable_caching,
@@ -214,11 +214,6 @@ class KVCacheManager(VllmKVCacheManager):
             preempted_hits=p_hits,
         )
 
-    def take_events(self) -> list[vllm_events.KVCacheEvent]:  # type: ignore[override]
-        """The KV cache events since the last call, as vLLM's own event structs."""
-        kind = self.kv_cache_event_metadata[0][0]
-        return [to_vllm_event(event, kind) for event in super().take_events()]
-
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (no cascade attention): ``[0]``."""
         return [0]
@@ -251,11 +246,7 @@ class KVCacheManager(VllmKVCacheManager):
         """No zeroing with one uniform full-attention group."""
 
 
-def to_vllm_event(event: Any, spec_kind: str) -> vllm_events.KVCacheEvent:
-    """A kvblocks event struct as vLLM's struct of the same name and fields, a
-    ``BlockStored`` annotated with the group's ``kv_cache_spec_kind``."""
-    cls = getattr(vllm_events, type(event).__name__)
-    fields = msgspec.structs.asdict(event)
-    if "kv_cache_spec_kind" in fields:
-        fields["kv_cache_spec_kind"] = spec_kind
-    return cls(**{name: fields[name] for name in cls.__struct_fields__ if name in fields})  # type: ignore[no-any-return]
+def spec_kind(spec: KVCacheSpec) -> str:
+    """vLLM's ``kv_cache_spec_kind`` of a group: ``"full_attention"``, or
+    ``"mla_attention"`` for MLA, which ``BlockStored`` events carry."""
+    return str(get_kv_cache_spec_kind(spec).value)

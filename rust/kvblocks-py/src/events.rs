@@ -1,7 +1,7 @@
 //! KV cache events for Python: the core records compact events; `take_events()` turns
-//! them into the msgspec structs of `kvblocks.events` (the only place Python event
-//! objects are built), with the hash form (int or bytes) chosen when the manager was
-//! created.
+//! them into msgspec structs (the only place Python event objects are built): those of
+//! `kvblocks.events`, or, for the vLLM adapter, vLLM's own classes of the same fields,
+//! with the hash form (int or bytes) chosen when the manager was created.
 //!
 //! While the manager caches a request's blocks, the core asks for their token ids
 //! through [`RequestTokens`], which reads them from a native `Request` in place or
@@ -17,6 +17,7 @@ use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
 use kvblocks_core::manager::KVCacheManager;
 use kvblocks_core::request::{HashSource, RequestView, TokenSource};
 use kvblocks_core::BlockHash;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PySlice};
@@ -25,21 +26,40 @@ use crate::errors::StashedError;
 use crate::request::PyRequest;
 
 /// `kv_cache_spec_kind` of the manager's one group.
-const FULL_ATTENTION: &str = "full_attention";
+pub const FULL_ATTENTION: &str = "full_attention";
 /// `medium` of every event.
 const MEDIUM_GPU: &str = "GPU";
 /// The module with the event structs and the shared helpers.
 const EVENTS_MODULE: &str = "kvblocks.events";
 
-static BLOCK_STORED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-static BLOCK_REMOVED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REQUEST_FIELDS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The classes events are built as, and the `kv_cache_spec_kind` of `BlockStored`.
+struct EventStructs {
+    stored: Py<PyAny>,
+    removed: Py<PyAny>,
+    cleared: Py<PyAny>,
+    spec_kind: String,
+}
+
+impl EventStructs {
+    /// `BlockStored`, `BlockRemoved` and `AllBlocksCleared` of `module`, whose fields
+    /// must be those of `kvblocks.events` (as vLLM's are), in the same order.
+    fn of(module: &Bound<'_, PyAny>, spec_kind: String) -> PyResult<Self> {
+        Ok(Self {
+            stored: module.getattr("BlockStored")?.unbind(),
+            removed: module.getattr("BlockRemoved")?.unbind(),
+            cleared: module.getattr("AllBlocksCleared")?.unbind(),
+            spec_kind,
+        })
+    }
+}
 
 /// A manager's event settings and the Python side of its `BlockStored` records.
 pub struct EventState {
     /// Hashes go out as ints (low 8 bytes, big-endian) rather than bytes.
     int_hashes: bool,
+    structs: EventStructs,
     /// `(record index, (lora_id, lora_name, extra_keys))` for the `BlockStored` records
     /// of requests with `LoRA`, multimodal items or a cache salt, in record order.
     fields: Vec<(usize, Py<PyAny>)>,
@@ -54,15 +74,43 @@ impl EventState {
         manager: &mut KVCacheManager,
         last_copy_removal: bool,
     ) -> PyResult<Self> {
-        let int_hashes = py
-            .import(EVENTS_MODULE)?
-            .call_method0("use_int_block_hashes")?
-            .extract()?;
+        let events = py.import(EVENTS_MODULE)?;
+        let int_hashes = events.call_method0("use_int_block_hashes")?.extract()?;
+        let structs = EventStructs::of(&events, FULL_ATTENTION.to_owned())?;
         manager.enable_kv_cache_events(last_copy_removal);
         Ok(Self {
             int_hashes,
+            structs,
             fields: Vec::new(),
         })
+    }
+
+    /// Builds the events as the classes of `module` (vLLM's `kv_events`), with
+    /// `BlockStored.kv_cache_spec_kind` set to `spec_kind`.
+    ///
+    /// # Errors
+    /// `TypeError` when a class's `__struct_fields__` differ from `kvblocks.events`'
+    /// (the events are built positionally).
+    pub fn build_as(&mut self, module: &Bound<'_, PyAny>, spec_kind: String) -> PyResult<()> {
+        let py = module.py();
+        let structs = EventStructs::of(module, spec_kind)?;
+        let pairs = [
+            (&structs.stored, &self.structs.stored),
+            (&structs.removed, &self.structs.removed),
+            (&structs.cleared, &self.structs.cleared),
+        ];
+        for (theirs, ours) in pairs {
+            let (theirs, ours) = (theirs.bind(py), ours.bind(py));
+            let their_fields = theirs.getattr("__struct_fields__")?;
+            let our_fields = ours.getattr("__struct_fields__")?;
+            if !their_fields.eq(&our_fields)? {
+                return Err(PyTypeError::new_err(format!(
+                    "{theirs} has the fields {their_fields}, not those of {ours}, {our_fields}"
+                )));
+            }
+        }
+        self.structs = structs;
+        Ok(())
     }
 
     fn hash<'py>(&self, py: Python<'py>, hash: &BlockHash) -> PyResult<Bound<'py, PyAny>> {
@@ -74,8 +122,9 @@ impl EventState {
     }
 }
 
-/// The events recorded since the last call as `kvblocks.events` structs, oldest first;
-/// the log is then emptied. `[]` with events off.
+/// The events recorded since the last call as the manager's event structs
+/// (`kvblocks.events`' unless [`EventState::build_as`] chose others), oldest first; the
+/// log is then emptied. `[]` with events off.
 pub fn take_events<'py>(
     py: Python<'py>,
     manager: &mut KVCacheManager,
@@ -89,9 +138,13 @@ pub fn take_events<'py>(
     if log.is_empty() {
         return Ok(out);
     }
-    let stored = BLOCK_STORED.import(py, EVENTS_MODULE, "BlockStored")?;
-    let removed = BLOCK_REMOVED.import(py, EVENTS_MODULE, "BlockRemoved")?;
-    let cleared = ALL_BLOCKS_CLEARED.import(py, EVENTS_MODULE, "AllBlocksCleared")?;
+    let EventStructs {
+        stored,
+        removed,
+        cleared,
+        spec_kind,
+    } = &state.structs;
+    let (stored, removed, cleared) = (stored.bind(py), removed.bind(py), cleared.bind(py));
     let block_size = log.config().map_or(0, |c| c.block_size);
     let mut fields = state.fields.iter().peekable();
     for (index, record) in log.records().iter().enumerate() {
@@ -129,7 +182,7 @@ pub fn take_events<'py>(
                     lora_name,
                     extra_keys,
                     s.group,
-                    FULL_ATTENTION,
+                    spec_kind.as_str(),
                 ))?
             }
             EventRecord::Removed { hash, group } => removed.call1((

@@ -23,7 +23,7 @@ use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::events::RequestTokens;
+use crate::events::{RequestTokens, FULL_ATTENTION};
 use crate::manager::{PyHashes, PyKVCacheManager};
 use crate::pool::PyKVCacheBlock;
 
@@ -319,6 +319,11 @@ impl PyKVCacheBlocks {
 ///         are scheduled (vLLM's ``watermark``).
 ///     admission_statuses: The ``request.status`` values of requests being admitted
 ///         (vLLM's ``WAITING`` and ``PREEMPTED``), to which the watermark applies.
+///     event_structs: The module whose ``BlockStored``, ``BlockRemoved`` and
+///         ``AllBlocksCleared`` the events are built as (vLLM's ``kv_events``: the
+///         fields of ``kvblocks.events``, in the same order); ``None`` for kvblocks'.
+///     kv_cache_spec_kind: ``BlockStored.kv_cache_spec_kind`` with ``event_structs``
+///         (``"full_attention"`` when ``None``).
 #[pyclass(
     extends = PyKVCacheManager,
     subclass,
@@ -424,9 +429,9 @@ impl PyVllmManager {
         signature = (
             num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE,
             log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
-            admission_statuses
+            admission_statuses, event_structs=None, kv_cache_spec_kind=None
         ),
-        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses)"
+        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, kv_cache_spec_kind=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -439,6 +444,8 @@ impl PyVllmManager {
         enable_kv_cache_events: Flag,
         watermark: f64,
         admission_statuses: &Bound<'_, PyAny>,
+        event_structs: Option<&Bound<'_, PyAny>>,
+        kv_cache_spec_kind: Option<String>,
     ) -> PyResult<PyClassInitializer<Self>> {
         // Converted by the binding's own reader: never sized from a claimed length.
         let admission_statuses = int_column(admission_statuses)?.into_vec();
@@ -453,6 +460,10 @@ impl PyVllmManager {
             Flag::FALSE,
         )?;
         base.inner.set_watermark(watermark).py()?;
+        if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
+            let kind = kv_cache_spec_kind.unwrap_or_else(|| FULL_ATTENTION.to_owned());
+            events.build_as(module, kind)?;
+        }
         let empty = Py::new(
             py,
             PyKVCacheBlocks {
