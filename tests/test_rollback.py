@@ -302,6 +302,15 @@ def test_failed_recving_rejects_bad_input_without_changing_anything(backend: Mod
     assert (ra.num_computed_tokens, bad.num_computed_tokens) == (16, -3)
 
 
+def test_failed_recving_reads_every_count_before_checking_any(backend: ModuleType) -> None:
+    """A negative count does not hide a later one that is not an int."""
+    negative, not_int = Req("ra", -1), Req("rb", 0)
+    not_int.num_computed_tokens = "x"  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        backend.handle_failed_recving(["ra", "rb"], [negative, not_int], policy="recompute")
+    assert negative.num_computed_tokens == -1
+
+
 # -------------------------------------------------------------------- strict mode
 
 

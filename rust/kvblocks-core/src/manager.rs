@@ -798,7 +798,8 @@ impl KVCacheManager {
     /// # Errors
     /// [`Error::AlreadyHashed`] for an existing block in the range that has a hash;
     /// [`Error::TooFewHashes`] if the hash source returns too few; its own errors;
-    /// with events on, [`Error::InvalidArgument`] when it has no [`TokenSource`], and
+    /// with events on, [`Error::InvalidArgument`] when it has no
+    /// [`TokenSource`](crate::request::TokenSource), and
     /// the token source's errors.
     fn plan_caching<H: HashSource + ?Sized>(
         &self,

@@ -548,4 +548,21 @@ fn failed_recving_under_fail_writes_nothing_and_refuses_negative_counts() {
         })
     );
     assert!(target.log.is_empty(), "a refused call writes nothing");
+    // Every count is read before any is checked: a reader's error after a negative
+    // count is the one reported.
+    let err = handle_failed_recving(
+        &["a", "b"],
+        &["a", "b"],
+        Policy::Recompute,
+        |i| {
+            if i == 0 {
+                Ok(-1)
+            } else {
+                Err(Error::InvalidArgument("b".into()))
+            }
+        },
+        &mut target,
+    );
+    assert_eq!(err, Err(Error::InvalidArgument("b".into())));
+    assert!(target.log.is_empty());
 }

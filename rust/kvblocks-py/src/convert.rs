@@ -482,9 +482,9 @@ fn collect_hashes(
 
 /// [`collect_hashes`] over Python objects.
 pub fn block_hashes<'py>(
-    items: impl IntoIterator<Item = PyResult<Bound<'py, PyAny>>>,
+    items: impl IntoIterator<Item = Bound<'py, PyAny>>,
 ) -> PyResult<Vec<BlockHash>> {
-    collect_hashes(items.into_iter().map(|item| read_hash(&item?)))
+    collect_hashes(items.into_iter().map(|item| read_hash(&item)))
 }
 
 /// `block_hashes` as a sequence: sequences are indexed in place, any other iterable is
@@ -548,16 +548,31 @@ impl<'py> HashSeq<'py> {
     /// Items `range` as block hashes, converted as a batch ([`block_hashes`]): every
     /// type is checked before any length.
     pub fn range(&self, range: std::ops::Range<usize>) -> PyResult<Vec<BlockHash>> {
-        let mut hashes = Vec::with_capacity(range.len());
+        let mut hashes = Vec::new();
+        self.extend_range(range, &mut hashes)?;
+        Ok(hashes)
+    }
+
+    /// [`Self::range`] appended to `out`; on an error `out` is as it was.
+    pub fn extend_range(
+        &self,
+        range: std::ops::Range<usize>,
+        out: &mut Vec<BlockHash>,
+    ) -> PyResult<()> {
+        let start = out.len();
+        out.reserve(range.len());
         for i in range.clone() {
-            match self.exact(i) {
-                Some(hash) => hashes.push(hash),
+            let Some(hash) = self.exact(i) else {
                 // Anything unusual: the general path, from the start, decides which
                 // error wins.
-                None => return collect_hashes(range.map(|i| self.read(i))),
-            }
+                out.truncate(start);
+                let hashes = collect_hashes(range.map(|i| self.read(i)))?;
+                out.extend(hashes);
+                return Ok(());
+            };
+            out.push(hash);
         }
-        Ok(hashes)
+        Ok(())
     }
 
     /// Item `i` when it is an exact `bytes` of at most 32 bytes in an exact list or

@@ -18,15 +18,17 @@ use kvblocks_core::manager::KVCacheManager;
 use kvblocks_core::request::{HashSource, RequestView, TokenSource};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyList, PySlice};
+use pyo3::types::{PyBytes, PyList, PySlice, PyString};
 
+use crate::convert::int_column;
 use crate::errors::StashedError;
 use crate::request::PyRequest;
 
 /// `kv_cache_spec_kind` of the manager's one group.
-pub const FULL_ATTENTION: &str = "full_attention";
+const FULL_ATTENTION: &str = "full_attention";
 /// `medium` of every event.
 const MEDIUM_GPU: &str = "GPU";
 /// The module with the event structs and the shared helpers.
@@ -86,13 +88,18 @@ impl EventState {
     }
 
     /// Builds the events as the classes of `module` (vLLM's `kv_events`), with
-    /// `BlockStored.kv_cache_spec_kind` set to `spec_kind`.
+    /// `BlockStored.kv_cache_spec_kind` set to `spec_kind` (`"full_attention"` if none).
     ///
     /// # Errors
     /// `TypeError` when a class's `__struct_fields__` differ from `kvblocks.events`'
     /// (the events are built positionally).
-    pub fn build_as(&mut self, module: &Bound<'_, PyAny>, spec_kind: String) -> PyResult<()> {
+    pub fn build_as(
+        &mut self,
+        module: &Bound<'_, PyAny>,
+        spec_kind: Option<String>,
+    ) -> PyResult<()> {
         let py = module.py();
+        let spec_kind = spec_kind.unwrap_or_else(|| FULL_ATTENTION.to_owned());
         let structs = EventStructs::of(module, spec_kind)?;
         let pairs = [
             (&structs.stored, &self.structs.stored),
@@ -300,20 +307,20 @@ impl<'py> RequestTokens<'py> {
                 isize::try_from(range.end).unwrap_or(isize::MAX),
                 1,
             );
-            let tokens = request.getattr("all_token_ids")?.get_item(slice)?;
-            for token in tokens.try_iter()? {
-                out.push(token?.extract()?);
-            }
+            let tokens = request
+                .getattr(intern!(py, "all_token_ids"))?
+                .get_item(slice)?;
+            out.extend_from_slice(&int_column(&tokens)?);
             // The helper's own test, read here so that a plain request (vLLM's usual
             // case) costs no Python call per caching step.
-            let truthy = |name: &str| -> PyResult<bool> {
+            let truthy = |name: &Bound<'py, PyString>| -> PyResult<bool> {
                 request
                     .getattr_opt(name)?
                     .map_or(Ok(false), |v| v.is_truthy())
             };
-            truthy("lora_request")?
-                || (first_block == 0 && truthy("cache_salt")?)
-                || truthy("mm_features")?
+            truthy(intern!(py, "lora_request"))?
+                || (first_block == 0 && truthy(intern!(py, "cache_salt"))?)
+                || truthy(intern!(py, "mm_features"))?
         };
         if has_fields {
             let helper = REQUEST_FIELDS.import(py, EVENTS_MODULE, "block_stored_request_fields")?;

@@ -280,17 +280,18 @@ impl ExtraKeySource for PyExtraKeys<'_, '_> {
 
     fn lora_key(&mut self) -> kvblocks_core::Result<Value> {
         let Some((name, path)) = self.lora.clone() else {
-            return Ok(Value::None);
+            return Err(not_asked("a LoRA key"));
         };
         let key = self.tagged(intern!(name.py(), "lora"), &[&name, &path]);
         self.keep(key)
     }
 
     fn mm_key(&mut self, index: usize, offset: i64) -> kvblocks_core::Result<Value> {
+        if index >= self.items.len() {
+            return Err(not_asked("a multimodal key past the items"));
+        }
         let key = (|| {
-            let Some(item) = self.items.get(index) else {
-                return Ok(Value::None);
-            };
+            let item = &self.items[index];
             let py = item.feature.py();
             let identifier = if let Some(value) = &item.identifier {
                 value.clone()
@@ -315,11 +316,16 @@ impl ExtraKeySource for PyExtraKeys<'_, '_> {
 
     fn salt_key(&mut self) -> kvblocks_core::Result<Value> {
         let Some(salt) = self.salt else {
-            return Ok(Value::None);
+            return Err(not_asked("a cache-salt key"));
         };
         let key = self.tagged(intern!(salt.py(), "cache_salt"), &[salt]);
         self.keep(key)
     }
+}
+
+/// The core asked for a key its own rule says the request has none of.
+fn not_asked(what: &str) -> kvblocks_core::Error {
+    kvblocks_core::Error::Invariant(format!("the core asked for {what} the request lacks"))
 }
 
 /// vLLM 0.33.0's extra keys for `num_blocks` blocks of `block_size` tokens from token
@@ -432,10 +438,9 @@ impl PyBlockHasher {
         let block_size = self.inner.block_size();
         let known = request.getattr(intern!(py, "block_hashes"))?;
         let num_known = known.len()?;
-        let start = num_known.saturating_mul(block_size);
         let num_tokens: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
         // A negative count has no blocks.
-        let Some((_, num_blocks)) = new_blocks(
+        let Some((start, num_blocks)) = new_blocks(
             num_known,
             usize::try_from(num_tokens).unwrap_or(0),
             block_size,

@@ -71,13 +71,9 @@ impl HashSource for PyHashes<'_> {
     }
 
     fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
-        match self.seq.range(range) {
-            Ok(hashes) => {
-                out.extend(hashes);
-                Ok(())
-            }
-            Err(err) => Err(self.keep(err)),
-        }
+        self.seq
+            .extend_range(range, out)
+            .map_err(|err| self.keep(err))
     }
 
     fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {

@@ -54,10 +54,9 @@ impl PyKVCacheBlock {
         group_id: Option<u32>,
         is_null: bool,
     ) -> PyResult<Self> {
-        let block_hash = match block_hash {
-            Some(h) if !h.is_none() => Some(hash_bytes(h)?.as_bytes().to_vec()),
-            _ => None,
-        };
+        let block_hash = block_hash
+            .map(|h| hash_bytes(h).map(|hash| hash.as_bytes().to_vec()))
+            .transpose()?;
         Ok(Self {
             block_id,
             ref_cnt,
@@ -229,7 +228,7 @@ impl PyBlockPool {
                 },
             )
         })?;
-        error.take().map_or_else(|| result.py(), Err)
+        error.finish(result)
     }
 
     #[doc = docstring!(BlockPool.get_cached_block)]

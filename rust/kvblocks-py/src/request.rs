@@ -439,7 +439,7 @@ impl PyRequest {
         // Any other callable gets the request itself, with no borrow held, and may
         // read anything on it.
         let result = hasher.bind(py).call1((slf,))?;
-        let new_hashes = block_hashes(to_list(&result)?.iter().map(Ok))?;
+        let new_hashes = block_hashes(to_list(&result)?.iter())?;
         slf.try_borrow_mut()?.block_hashes.extend(new_hashes);
         slf.try_borrow()?.sync_views(py)
     }

@@ -292,6 +292,21 @@ fn appears_twice(py: Python<'_>, request_id: &str) -> PyErr {
     }
 }
 
+/// Refuses an id already in `seen` (the reference's `_check_unique`), adding each: a
+/// request may appear once in a call, as in vLLM's scheduler.
+fn check_unique<'a>(
+    py: Python<'_>,
+    ids: &'a [PyBackedStr],
+    seen: &mut HashSet<&'a str>,
+) -> PyResult<()> {
+    for id in ids {
+        if !seen.insert(id) {
+            return Err(appears_twice(py, id));
+        }
+    }
+    Ok(())
+}
+
 /// The requests of one pass, as the columns the core reads.
 struct RequestColumns<'py> {
     requests: Vec<Bound<'py, PyAny>>,
@@ -327,16 +342,6 @@ impl<'py> RequestColumns<'py> {
         }
         cols.requests = requests;
         Ok(cols)
-    }
-
-    /// A request may appear once in a call, as in vLLM's scheduler ([`appears_twice`]).
-    fn check_unique<'a>(&'a self, seen: &mut HashSet<&'a str>) -> PyResult<()> {
-        for (id, request) in self.ids.iter().zip(&self.requests) {
-            if !seen.insert(id) {
-                return Err(appears_twice(request.py(), id));
-            }
-        }
-        Ok(())
     }
 
     /// The ids of the requests at `indices`.
@@ -488,7 +493,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let mode = mode.get()?;
     check_single_group(kv_cache_manager)?;
     let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
-    cols.check_unique(&mut HashSet::new())?;
+    check_unique(requests.py(), &cols.ids, &mut HashSet::new())?;
     let native = kv_cache_manager
         .cast::<PyKVCacheManager>()
         .ok()
@@ -553,8 +558,8 @@ pub fn handle_invalid_blocks<'py>(
     let waiting = RequestColumns::gather(&waiting, num_scheduled_tokens)?;
     let sync = RequestColumns::gather(running, num_scheduled_tokens)?;
     let mut seen = HashSet::new();
-    waiting.check_unique(&mut seen)?;
-    sync.check_unique(&mut seen)?;
+    check_unique(py, &waiting.ids, &mut seen)?;
+    check_unique(py, &sync.ids, &mut seen)?;
 
     let native = kv_cache_manager
         .cast::<PyKVCacheManager>()
@@ -630,15 +635,8 @@ pub fn handle_failed_recving(
         .iter()
         .map(|r| r.getattr("request_id")?.extract::<PyBackedStr>())
         .collect::<PyResult<Vec<_>>>()?;
-    let mut seen = HashSet::with_capacity(ids.len());
-    for id in &ids {
-        if !seen.insert(&**id) {
-            return Err(appears_twice(py, id));
-        }
-    }
+    check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();
-    let reported: Vec<&str> = reported.iter().map(|id| &**id).collect();
-    let waiting_ids: Vec<&str> = ids.iter().map(|id| &**id).collect();
     let read = |i: usize| {
         waiting[i]
             .getattr("num_computed_tokens")
@@ -651,15 +649,14 @@ pub fn handle_failed_recving(
         running: &[],
         error: &stash,
     };
-    let decided =
-        rollback::handle_failed_recving(&reported, &waiting_ids, policy, read, &mut target);
+    let decided = rollback::handle_failed_recving(&reported, &ids, policy, read, &mut target);
     let decided = stash.finish(decided)?;
     let matched_ids: Vec<String> = decided
         .matched
         .iter()
-        .map(|&i| waiting_ids[i].to_owned())
+        .map(|&i| ids[i].to_string())
         .collect();
-    let (failed_waiting, retry_req_ids) = match decided.policy {
+    let (failed_waiting, retry_req_ids) = match policy {
         Policy::Recompute => (Vec::new(), matched_ids),
         Policy::Fail => (matched_ids, Vec::new()),
     };

@@ -23,7 +23,7 @@ use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::events::{RequestTokens, FULL_ATTENTION};
+use crate::events::RequestTokens;
 use crate::manager::{PyHashes, PyKVCacheManager};
 use crate::pool::PyKVCacheBlock;
 
@@ -461,8 +461,7 @@ impl PyVllmManager {
         )?;
         base.inner.set_watermark(watermark).py()?;
         if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
-            let kind = kv_cache_spec_kind.unwrap_or_else(|| FULL_ATTENTION.to_owned());
-            events.build_as(module, kind)?;
+            events.build_as(module, kv_cache_spec_kind)?;
         }
         let empty = Py::new(
             py,

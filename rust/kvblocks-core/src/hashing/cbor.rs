@@ -8,7 +8,8 @@
 //! Identity tags play no part: CBOR has no memo.
 
 use super::value::{BigInt, Value};
-use super::{append_words, Cursor, WordLen, PLAIN_OVERHEAD};
+use super::words::{append_words, Cursor, WordLen};
+use super::PLAIN_OVERHEAD;
 
 const UNSIGNED: u8 = 0;
 const NEGATIVE: u8 = 1;

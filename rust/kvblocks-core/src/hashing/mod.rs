@@ -36,8 +36,6 @@ use crate::error::{positive, Error, Result};
 
 use algo::from_digest;
 use sha256::{compress_blocks, sha256_in_place, sha256_pad, state_bytes, SHA256_IV, SHA256_PAD};
-// For the fixed-layout writers of `pickle` and `cbor`, which take it through `super::`.
-use words::{append_words, Cursor, WordLen};
 
 pub use algo::{resolve_seed, HashAlgo, DEFAULT_SEED};
 pub use mm_keys::{mm_features_in_block, MmCursor, MmPosition};

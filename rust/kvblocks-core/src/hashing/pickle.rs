@@ -25,7 +25,8 @@
 use rustc_hash::FxHashMap;
 
 use super::value::{ObjectId, Value};
-use super::{append_words, Cursor, WordLen, PLAIN_OVERHEAD};
+use super::words::{append_words, Cursor, WordLen};
+use super::PLAIN_OVERHEAD;
 
 const PROTO: u8 = 0x80;
 const FRAME: u8 = 0x95;

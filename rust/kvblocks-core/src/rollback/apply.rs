@@ -1,7 +1,7 @@
 //! Writing a decided rollback back: the caller's manager and requests, behind
 //! [`RollbackTarget`], in the one order that keeps a refused step harmless.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use super::{InvalidBlocksOutcome, Policy, Rollback};
 use crate::error::{Error, Result};
@@ -74,48 +74,47 @@ pub struct FailedRecving {
     pub matched: Vec<usize>,
     /// Tokens lost: everything the matched requests had computed.
     pub total_affected_tokens: u128,
-    /// `fail`: the matched requests fail; `recompute`: they were rewound to 0 and are
-    /// retried.
-    pub policy: Policy,
 }
 
 /// vLLM's `_handle_failed_recving`: requests whose async load failed as a whole.
 ///
-/// Only requests in `waiting_ids` (those whose async load is in flight) can fail this
-/// way; other reported ids are ignored, as in vLLM. `num_computed_tokens` is read for
-/// the matched requests only, in waiting order. Under `recompute` each matched request
-/// is rewound to 0 through `target` (as [`Pass::Waiting`]), after every count was read
-/// and checked; under `fail` nothing is written.
+/// Only requests in `waiting_ids` (those whose async load is in flight, each once: the
+/// caller checks) can fail this way; other reported ids are ignored, as in vLLM.
+/// `num_computed_tokens` is read for the matched requests only, in waiting order, and
+/// checked once all are read. Under `recompute` each matched request is then rewound
+/// to 0 through `target` (as [`Pass::Waiting`]); under `fail` nothing is written.
 ///
 /// # Errors
 /// The reader's error; [`Error::Negative`] for the first negative count; the target's.
-pub fn handle_failed_recving(
-    reported: &[&str],
-    waiting_ids: &[&str],
+pub fn handle_failed_recving<S: AsRef<str>>(
+    reported: &[S],
+    waiting_ids: &[S],
     policy: Policy,
-    mut num_computed_tokens: impl FnMut(usize) -> Result<i64>,
+    num_computed_tokens: impl FnMut(usize) -> Result<i64>,
     target: &mut impl RollbackTarget,
 ) -> Result<FailedRecving> {
-    let failed: HashSet<&str> = reported.iter().copied().collect();
-    let in_waiting: Vec<usize> = (0..waiting_ids.len())
-        .filter(|&i| failed.contains(waiting_ids[i]))
+    let mut index: HashMap<&str, usize> = waiting_ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (id.as_ref(), i))
         .collect();
+    let matched: Vec<usize> = reported
+        .iter()
+        .filter_map(|id| index.remove(id.as_ref()))
+        .collect();
+    let mut in_waiting = matched.clone();
+    in_waiting.sort_unstable();
+    let counts = in_waiting
+        .iter()
+        .copied()
+        .map(num_computed_tokens)
+        .collect::<Result<Vec<i64>>>()?;
     let mut total = 0u128;
-    for &i in &in_waiting {
-        let value = num_computed_tokens(i)?;
-        let lost = u128::try_from(value).map_err(|_| Error::Negative {
+    for value in counts {
+        total += u128::try_from(value).map_err(|_| Error::Negative {
             name: "num_computed_tokens",
             value,
         })?;
-        total += lost;
-    }
-    // Waiting ids are unique (the caller checks), so each maps to one request.
-    let mut index: HashMap<&str, usize> = in_waiting.iter().map(|&i| (waiting_ids[i], i)).collect();
-    let mut matched = Vec::with_capacity(in_waiting.len());
-    for id in reported {
-        if let Some(i) = index.remove(id) {
-            matched.push(i);
-        }
     }
     if policy == Policy::Recompute {
         for &i in &in_waiting {
@@ -125,6 +124,5 @@ pub fn handle_failed_recving(
     Ok(FailedRecving {
         matched,
         total_affected_tokens: total,
-        policy,
     })
 }
