@@ -27,6 +27,7 @@ prints its report, exiting 1 on a divergence.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import math
@@ -38,6 +39,8 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from kvblocks import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -114,23 +117,13 @@ def plain(value: Any, depth: int = 0) -> Any:
     return ["object", name]
 
 
-#: The public fields of the backends' value classes.
+#: The public fields of the backends' value classes: the reference's dataclass fields,
+#: and the scalar properties of the stateful classes.
 _VALUE_FIELDS = {
-    "KVCacheBlock": ["block_id", "ref_cnt", "block_hash", "group_id", "is_null"],
-    "PrefixCacheStats": ["requests", "queries", "hits", "reset"],
-    "RollbackResult": [
-        "num_computed_tokens",
-        "affected",
-        "total_affected_tokens",
-        "blocks_to_evict",
-    ],
-    "InvalidBlocksOutcome": [
-        "failed_req_ids",
-        "rescheduled_req_ids",
-        "retry_req_ids",
-        "evicted_block_ids",
-        "total_affected_tokens",
-    ],
+    **{
+        name: [field.name for field in dataclasses.fields(getattr(reference, name))]
+        for name in ("KVCacheBlock", "PrefixCacheStats", "RollbackResult", "InvalidBlocksOutcome")
+    },
     "BlockPool": ["num_blocks", "enable_caching", "block_size"],
     "KVCacheManager": ["block_size", "num_kv_cache_groups", "enable_caching"],
     "BlockHasher": ["block_size", "algo", "seed", "none_hash"],

@@ -162,11 +162,6 @@ def bytes_recipe(value: bytes) -> Recipe:
     return ["bytes", value.hex()]
 
 
-def list_recipe(items: Sequence[Recipe]) -> Recipe:
-    """The recipe of a list of the given recipes."""
-    return ["list", list(items)]
-
-
 @builder("h")
 def _build_fault(params: list[Any], side: Side) -> Any:
     """``["h", recipe]``: ``recipe``, marked as a fault, so that a fuzzer can keep to one
@@ -512,7 +507,7 @@ def iterables_of(items: Recipe) -> st.SearchStrategy[Recipe]:
 
 
 def int_iterables(items: Recipe) -> st.SearchStrategy[Recipe]:
-    """``items`` (ints) in any iterable form above, as NumPy arrays too."""
+    """``items`` in any iterable form above, as a NumPy array too."""
     return st.one_of(iterables_of(items), numpy_arrays(items))
 
 
@@ -636,14 +631,6 @@ def _build_duck(params: list[Any], side: Side) -> Any:
     for name, r in fixed:
         setattr(duck, name, build(r, side))
     return duck
-
-
-def changing_attributes(
-    name: str, values: st.SearchStrategy[list[Recipe]]
-) -> st.SearchStrategy[Recipe]:
-    """A ``[name, values]`` entry for a ``duck`` recipe: an attribute whose every read
-    returns the next value (a backend reading it twice sees two values)."""
-    return values.map(lambda vs: [name, vs])
 
 
 # --------------------------------------------------------------------------- callables

@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import hostile as h
 import pytest
+from fuzz_child import PROBE_HASHES
 from hostile import Recipe
 from hypothesis import given
 from hypothesis import strategies as st
@@ -205,7 +206,7 @@ def flags() -> st.SearchStrategy[Recipe]:
 
 
 #: Block hashes: the probes of the child's snapshots, so that lookups hit.
-HASHES = [b"\x01" * 32, b"\x02" * 32, b"\x03" * 16, b"", b"\x05" * 7]
+HASHES = PROBE_HASHES
 
 
 def hashes() -> st.SearchStrategy[Recipe]:
@@ -239,7 +240,7 @@ def int_forms() -> st.SearchStrategy[Recipe]:
 def item_lists(items: st.SearchStrategy[Recipe], max_size: int = 5) -> st.SearchStrategy[Recipe]:
     """A list of ``items`` in any iterable form."""
     return st.lists(items, max_size=max_size).flatmap(
-        lambda xs: mostly(st.just(["list", xs]), st.one_of(h.iterables_of(xs), h.numpy_arrays(xs)))
+        lambda xs: mostly(st.just(["list", xs]), h.int_iterables(xs))
     )
 
 
@@ -254,7 +255,7 @@ def tokens() -> st.SearchStrategy[Recipe]:
     return st.tuples(prefixes, tails).flatmap(
         lambda pt: mostly(
             st.just(["list", [*pt[0], *pt[1]]]),
-            st.one_of(h.iterables_of([*pt[0], *pt[1]]), h.numpy_arrays([*pt[0], *pt[1]])),
+            h.int_iterables([*pt[0], *pt[1]]),
         )
     )
 

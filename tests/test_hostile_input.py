@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from conftest import outcome
@@ -263,6 +263,55 @@ def test_unencodable_and_non_str_ids_raise_the_same_class(backend: ModuleType) -
         backend.Request(7, [1])
 
 
+class IntIdRequest:
+    """A duck request whose id is an int."""
+
+    request_id = 5
+    num_tokens = 4
+    num_computed_tokens = 0
+    block_hashes: ClassVar[list[bytes]] = []
+
+
+NON_STR_ID_CALLS: dict[str, tuple[str, Any]] = {
+    "allocate_slots": (
+        "request_id",
+        lambda b: b.KVCacheManager(8, 4).allocate_slots(IntIdRequest(), 4),
+    ),
+    "get_computed_blocks": (
+        "request_id",
+        lambda b: b.KVCacheManager(8, 4).get_computed_blocks(IntIdRequest()),
+    ),
+    "free": ("request_id", lambda b: b.KVCacheManager(8, 4).free(IntIdRequest())),
+    "get_block_ids": ("request_id", lambda b: b.KVCacheManager(8, 4).get_block_ids(5)),
+    "update_requests_with_invalid_blocks": (
+        "request_id",
+        lambda b: b.update_requests_with_invalid_blocks(
+            b.KVCacheManager(8, 4), [IntIdRequest()], [1], {}
+        ),
+    ),
+    "handle_failed_recving ids": (
+        "failed_req_ids item",
+        lambda b: b.handle_failed_recving([5], []),
+    ),
+    "handle_failed_recving requests": (
+        "request_id",
+        lambda b: b.handle_failed_recving(["a"], [IntIdRequest()]),
+    ),
+    "InvalidBlocksOutcome": (
+        "request_id",
+        lambda b: b.InvalidBlocksOutcome({5}, set(), set(), set(), 0),
+    ),
+    "Request": ("request_id", lambda b: b.Request(5, [1])),
+}
+
+
+@pytest.mark.parametrize("call", sorted(NON_STR_ID_CALLS))
+def test_a_non_str_request_id_is_named_in_every_call(backend: ModuleType, call: str) -> None:
+    name, run = NON_STR_ID_CALLS[call]
+    with pytest.raises(TypeError, match=rf"^{name} must be a str, got int$"):
+        run(backend)
+
+
 def test_a_hash_with_hostile_dunders_is_cached_by_content(backend: ModuleType) -> None:
     pool = backend.BlockPool(8, block_size=2)
     blocks = pool.get_new_blocks(2)
@@ -282,6 +331,22 @@ def test_seed_subclass_is_read_as_its_contents(backend: ModuleType) -> None:
     hasher = backend.BlockHasher(4, seed=Seed("s"))
     assert type(hasher.seed) is str
     assert hasher.none_hash == backend.BlockHasher(4, seed="s").none_hash
+
+
+def test_a_salts_truth_is_tested_once(backend: ModuleType) -> None:
+    """A salt whose truth changes between tests is salted as its first answer says."""
+
+    class Salt:
+        answers: ClassVar[list[bool]] = []
+
+        def __bool__(self) -> bool:
+            self.answers.append(not self.answers)
+            return self.answers[-1]
+
+    request = backend.Request("r", list(range(8)), cache_salt=Salt())
+    with pytest.raises(TypeError, match="unsupported extra key type 'Salt'"):
+        backend.BlockHasher(4)(request)
+    assert Salt.answers == [True]
 
 
 # ------------------------------------------------------------------ 64-bit ints
@@ -332,6 +397,15 @@ def test_ints_past_64_bits_raise_overflow_error(backend: ModuleType, call: Any) 
 def test_value_classes_check_their_fields(backend: ModuleType, make: Any, error: type) -> None:
     with pytest.raises(error):
         make(backend)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [(-1, 0, None, None, False), (2**32, 0, None, None, False), (1, 0, None, 2**32, False)],
+)
+def test_narrow_block_fields_out_of_range_say_so(backend: ModuleType, fields: Any) -> None:
+    with pytest.raises(OverflowError, match=r"^out of range integral type conversion attempted"):
+        backend.KVCacheBlock(*fields)
 
 
 def test_value_classes_store_plain_values(backend: ModuleType) -> None:

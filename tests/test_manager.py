@@ -636,6 +636,21 @@ def test_request_code_reaching_back_into_the_pool_is_refused(backend: ModuleType
     pool.check_invariants()
 
 
+def test_request_code_reading_the_managers_pool_is_refused(backend: ModuleType) -> None:
+    """``block_pool`` is read from the manager, so it is refused mid-call like any read."""
+    manager = backend.KVCacheManager(8, 4)
+
+    class ReentrantHashes(list[bytes]):
+        def __getitem__(self, index: Any) -> Any:
+            _ = manager.block_pool
+            return list.__getitem__(self, index)
+
+    request = DuckRequest("r", 9, ReentrantHashes([b"a" * 32, b"b" * 32]))
+    with pytest.raises(RuntimeError, match=r"^Already mutably borrowed$"):
+        manager.allocate_slots(request, 9)
+    assert manager.get_block_ids("r") == ([],)
+
+
 def test_reading_again_during_a_read_is_allowed(backend: ModuleType) -> None:
     pool = backend.BlockPool(8, block_size=4)
     reads = []

@@ -23,6 +23,7 @@ import ast
 import builtins
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -232,6 +233,7 @@ class Annotations:
         return [*sections[True], "", *sections[False], "", *first_party]
 
 
+@functools.cache
 def module_tree(module: str) -> ast.Module:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:

@@ -9,7 +9,7 @@ never loads the reference to know them.
 
 from __future__ import annotations
 
-__all__ = ["HASH_ALGORITHMS", "LOAD_FAILURE_POLICIES", "ROLLBACK_MODES", "cdiv"]
+__all__ = ["HASH_ALGORITHMS", "LOAD_FAILURE_POLICIES", "ROLLBACK_MODES", "cdiv", "either"]
 
 #: The block hash algorithms, by vLLM's ``--prefix-caching-hash-algo`` names, in the
 #: order reports list them.
@@ -21,6 +21,11 @@ ROLLBACK_MODES: tuple[str, ...] = ("vllm", "strict")
 
 #: The KV-load failure policies (vLLM's ``kv_load_failure_policy``).
 LOAD_FAILURE_POLICIES: tuple[str, ...] = ("fail", "recompute")
+
+
+def either(names: tuple[str, ...]) -> str:
+    """``names`` for an error message: ``'vllm' or 'strict'``."""
+    return " or ".join(repr(name) for name in names)
 
 
 def cdiv(a: int, b: int) -> int:

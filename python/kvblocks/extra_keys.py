@@ -87,7 +87,12 @@ def _gen_mm_extra_hash_keys(
 
 
 def generate_block_hash_extra_keys(
-    request: object, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+    request: object,
+    start_token_idx: int,
+    end_token_idx: int,
+    start_mm_idx: int,
+    *,
+    salt_is_truthy: bool | None = None,
 ) -> tuple[tuple[ExtraKeys, ...] | None, int]:
     """The extra keys of one block, tagged as vLLM 0.33.0 tags them.
 
@@ -99,6 +104,8 @@ def generate_block_hash_extra_keys(
         start_token_idx: First token of the block.
         end_token_idx: One past the last token of the block.
         start_mm_idx: Where the multimodal walk starts (see ``_gen_mm_extra_hash_keys``).
+        salt_is_truthy: The salt's truth when the caller has tested it already (each
+            attribute is read once); ``None`` tests it here.
 
     Returns:
         The keys (``None`` when there are none) and the next multimodal index.
@@ -107,8 +114,10 @@ def generate_block_hash_extra_keys(
         request, start_token_idx, end_token_idx, start_mm_idx
     )
     cache_salt = getattr(request, "cache_salt", None)
-    salt_keys: list[ExtraKeys] = (
-        [("cache_salt", cache_salt)] if start_token_idx == 0 and cache_salt else []
-    )
+    if start_token_idx != 0:
+        has_salt = False
+    else:
+        has_salt = bool(cache_salt) if salt_is_truthy is None else salt_is_truthy
+    salt_keys: list[ExtraKeys] = [("cache_salt", cache_salt)] if has_salt else []
     extra_keys = _gen_lora_extra_hash_keys(request) + mm_keys + salt_keys
     return (tuple(extra_keys) if extra_keys else None), next_mm_idx

@@ -524,7 +524,11 @@ class BlockHasher:
         extra_keys: list[ExtraKeys] = []
         for block_start in range(start, end, block_size):
             keys, mm_idx = generate_block_hash_extra_keys(
-                source, block_start, block_start + block_size, mm_idx
+                source,
+                block_start,
+                block_start + block_size,
+                mm_idx,
+                salt_is_truthy=source.cache_salt is not None,
             )
             check_extra_keys(keys)
             extra_keys.append(keys)

@@ -232,6 +232,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ properties
 
     @property
+    @reads
     def block_pool(self) -> BlockPool:
         """The pool the block tables draw from."""
         return self._block_pool

@@ -136,6 +136,9 @@ def to_uint(value: SupportsIndex, bits: int = 64) -> int:
         OverflowError: ``value`` is negative or does not fit.
     """
     number = operator.index(value)
+    if bits < 64 and not 0 <= number < 1 << bits:
+        # PyO3's message for a narrower field, as natively.
+        raise OverflowError("out of range integral type conversion attempted")
     if number < 0:
         raise OverflowError("can't convert negative int to unsigned")
     if number >= 1 << bits:

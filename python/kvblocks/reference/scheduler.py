@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, SupportsIndex
 
-from kvblocks.constants import LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv
+from kvblocks.constants import LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv, either
 from kvblocks.errors import UnsupportedLayoutError
 from kvblocks.reference.kv_cache_utils import (
     check_non_negative,
@@ -480,10 +480,6 @@ def _read_passes(
     return batches, invalid, size
 
 
-#: ``num_scheduled_tokens`` holds no entry for the request.
-_UNSCHEDULED = object()
-
-
 @dataclass(slots=True)
 class _Pass:
     """One pass's requests, each read once: ``request_id``, then ``num_computed_tokens``,
@@ -513,10 +509,10 @@ class _Pass:
             request_id = to_request_id(request.request_id)
             computed.append(to_int(request.num_computed_tokens))
             if isinstance(num_scheduled_tokens, dict):
-                entry = dict.get(num_scheduled_tokens, request_id, _UNSCHEDULED)
+                entry = dict.get(num_scheduled_tokens, request_id, 0)
             else:
                 entry = num_scheduled_tokens.get(request_id, 0)
-            scheduled.append(0 if entry is _UNSCHEDULED else to_int(entry))
+            scheduled.append(to_int(entry))
             ids.append(request_id)
         return cls(batch, ids, computed, scheduled)
 
@@ -607,12 +603,12 @@ def _check_single_group(kv_cache_manager: object) -> None:
 def _check_mode(mode: str) -> bool:
     """Validates ``mode``; returns whether it is strict."""
     if mode not in ROLLBACK_MODES:
-        raise ValueError(f"mode must be 'vllm' or 'strict', got {mode!r}")
+        raise ValueError(f"mode must be {either(ROLLBACK_MODES)}, got {mode!r}")
     return mode == "strict"
 
 
 def _check_policy(policy: str) -> bool:
     """Validates ``policy``; returns whether it is ``recompute``."""
     if policy not in LOAD_FAILURE_POLICIES:
-        raise ValueError(f"policy must be 'fail' or 'recompute', got {policy!r}")
+        raise ValueError(f"policy must be {either(LOAD_FAILURE_POLICIES)}, got {policy!r}")
     return policy == "recompute"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvblocks.constants import HASH_ALGORITHMS, LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv
+from kvblocks.constants import (
+    HASH_ALGORITHMS,
+    LOAD_FAILURE_POLICIES,
+    ROLLBACK_MODES,
+    cdiv,
+    either,
+)
 from kvblocks.sim.workload import WORKLOADS, WorkloadParams
 
 __all__ = ["SimConfig"]
@@ -75,9 +81,9 @@ class SimConfig:
                 f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}"
             )
         if self.policy not in LOAD_FAILURE_POLICIES:
-            raise ValueError(f"policy must be 'fail' or 'recompute', got {self.policy!r}")
+            raise ValueError(f"policy must be {either(LOAD_FAILURE_POLICIES)}, got {self.policy!r}")
         if self.mode not in ROLLBACK_MODES:
-            raise ValueError(f"mode must be 'vllm' or 'strict', got {self.mode!r}")
+            raise ValueError(f"mode must be {either(ROLLBACK_MODES)}, got {self.mode!r}")
         if self.hash_algo not in HASH_ALGORITHMS:
             raise ValueError(
                 f"hash_algo must be one of {', '.join(HASH_ALGORITHMS)}, got {self.hash_algo!r}"

@@ -4,8 +4,8 @@ group, with its state and decisions in kvblocks' Rust core.
 The Scheduler's hot calls (``allocate_slots``, ``get_computed_blocks``, ``free``,
 ``cache_blocks``, ``get_blocks``, ...) are native methods; this module adds the
 constructor vLLM calls, the members vLLM's coordinator and block pool expose, the
-once-a-step conversions to vLLM's own stats and event classes, and the members that
-are constants for one full-attention group.
+once-a-step conversion to vLLM's own stats class, and the members that are constants
+for one full-attention group. Events are built natively as vLLM's own event classes.
 """
 
 from __future__ import annotations
@@ -168,7 +168,6 @@ class KVCacheManager(VllmKVCacheManager):
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.kv_cache_event_metadata = ((spec_kind(spec), None),)
         pool = BlockPool(
             super().block_pool,
             enable_caching=config.enable_caching,

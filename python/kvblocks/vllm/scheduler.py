@@ -22,7 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks import _native
-from kvblocks.constants import ROLLBACK_MODES
+from kvblocks.constants import ROLLBACK_MODES, either
 from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
 from kvblocks.vllm.manager import KVCacheManager
 
@@ -40,7 +40,7 @@ def rollback_mode() -> str:
     mode = os.environ.get("KVBLOCKS_ROLLBACK_MODE", "vllm")
     if mode not in ROLLBACK_MODES:
         raise ValueError(
-            f"KVBLOCKS_ROLLBACK_MODE must be 'vllm' or 'strict', got {mode!r}: "
+            f"KVBLOCKS_ROLLBACK_MODE must be {either(ROLLBACK_MODES)}, got {mode!r}: "
             "unset it for vLLM's semantics"
         )
     return mode

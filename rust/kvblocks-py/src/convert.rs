@@ -20,7 +20,8 @@ use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySequence, PyTuple};
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PyBytes, PyList, PySequence, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::IntoPyResult;
@@ -63,6 +64,16 @@ pub fn index_uint<T: for<'a, 'py> FromPyObject<'a, 'py, Error = PyErr>>(
     let index =
         unsafe { Bound::from_owned_ptr_or_err(obj.py(), ffi::PyNumber_Index(obj.as_ptr())) }?;
     index.extract()
+}
+
+/// A request id: an exact `str`'s contents (a subclass is read as them), or the
+/// reference's `TypeError("{name} must be a str, got {type}")`; `UnicodeEncodeError` for a
+/// lone surrogate.
+pub fn request_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<PyBackedStr> {
+    let id = obj.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!("{name} must be a str, got {}", type_name(obj)))
+    })?;
+    PyBackedStr::try_from(id.clone())
 }
 
 /// `type(obj).__name__`, for error messages.

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{int_column, Flag, HashSeq};
+use crate::convert::{self, int_column, request_id, Flag, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::events::{take_events, EventState, RequestTokens};
 use crate::pool::PyBlockPool;
@@ -116,7 +116,7 @@ impl<'py> RequestArg<'py> {
             return Ok(Self::Native(native.try_borrow()?));
         }
         Ok(Self::Duck {
-            request_id: request.getattr("request_id")?.extract()?,
+            request_id: request_id(&request.getattr("request_id")?, "request_id")?.to_string(),
             num_tokens: request.getattr("num_tokens")?.extract()?,
             num_computed_tokens: request.getattr("num_computed_tokens")?.extract()?,
             hashes: PyHashes::new(request)?,
@@ -379,7 +379,7 @@ impl PyKVCacheManager {
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id = match request.cast::<PyRequest>() {
             Ok(native) => native.try_borrow()?.request_id().to_owned(),
-            Err(_) => request.getattr("request_id")?.extract()?,
+            Err(_) => request_id(&request.getattr("request_id")?, "request_id")?.to_string(),
         };
         self.inner.free(&request_id).py()
     }
@@ -406,9 +406,10 @@ impl PyKVCacheManager {
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
-        request_id: &str,
+        request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let table = PyList::new(py, self.inner.get_block_ids(request_id))?;
+        let request_id = convert::request_id(request_id, "request_id")?;
+        let table = PyList::new(py, self.inner.get_block_ids(&request_id))?;
         PyTuple::new(py, [table])
     }
 

@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::OnceLock;
 
-use crate::convert::{block_hashes, to_list, token_id, token_ids, type_name, Given};
+use crate::convert::{self, block_hashes, to_list, token_id, token_ids, type_name, Given};
 use crate::errors::to_py;
 use crate::hashing::{NativeRequest, PyBlockHasher, RequestAttrs};
 
@@ -211,13 +211,13 @@ impl PyRequest {
         mm_features: Given<'py>,
         prompt_embeds: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, Self>> {
-        let id = request_id.cast::<PyString>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "request_id must be a str, got {}",
-                type_name(request_id)
-            ))
-        })?;
-        let request_id = id.to_str()?.to_owned();
+        let id = convert::request_id(request_id, "request_id")?;
+        // An exact `str`, so a subclass's dunders never run later.
+        let request_id_obj = match request_id.cast_exact::<PyString>() {
+            Ok(exact) => exact.clone().unbind(),
+            Err(_) => PyString::new(py, &id).unbind(),
+        };
+        let request_id = id.to_string();
         let block_hasher = non_none(block_hasher);
         if let Some(hasher) = &block_hasher {
             if !hasher.bind(py).is_callable() {
@@ -235,12 +235,7 @@ impl PyRequest {
         let request = Bound::new(
             py,
             Self {
-                // An exact `str`, so a subclass's dunders never run later.
-                request_id_obj: if id.is_exact_instance_of::<PyString>() {
-                    id.clone().unbind()
-                } else {
-                    PyString::new(py, &request_id).unbind()
-                },
+                request_id_obj,
                 request_id,
                 num_prompt_tokens: prompt.len(),
                 all_token_ids: prompt,

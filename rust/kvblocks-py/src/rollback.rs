@@ -14,13 +14,15 @@ use std::collections::HashSet;
 use kvblocks_core::rollback::{
     self, Batch, BlockIds, Mode, Pass, Policy, Rollback, RollbackTarget,
 };
-use pyo3::exceptions::{PyOverflowError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyDict, PySet, PyString};
+use pyo3::types::{PyDict, PyFrozenSet, PySet, PyString};
 use pyo3::Borrowed;
 
-use crate::convert::{index_uint, int_column, to_list, Flag, Given, IntColumn};
+use crate::convert::{
+    index_uint, int_column, request_id, to_list, type_name, Flag, Given, IntColumn,
+};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
@@ -170,6 +172,30 @@ impl PartialEq for PyInvalidBlocksOutcome {
     }
 }
 
+/// A set field, read as the reference's `to_field_set(value, item)`: a `set` or
+/// `frozenset`, each member converted by `item`.
+fn set_field<T: std::hash::Hash + Eq>(
+    value: &Bound<'_, PyAny>,
+    item: impl Fn(&Bound<'_, PyAny>) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
+    if !(value.is_instance_of::<PySet>() || value.is_instance_of::<PyFrozenSet>()) {
+        return Err(PyTypeError::new_err(format!(
+            "'{}' object is not an instance of 'set'",
+            type_name(value)
+        )));
+    }
+    let members = to_list(value)?
+        .iter()
+        .map(|member| item(&member))
+        .collect::<PyResult<HashSet<T>>>()?;
+    Ok(members.into_iter().collect())
+}
+
+/// A request id of a set field, as an owned `String`.
+fn owned_id(id: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(request_id(id, "request_id")?.to_string())
+}
+
 /// A new Python set of `items`, added in this order.
 fn ordered_set<'py, T: IntoPyObject<'py> + Copy>(
     py: Python<'py>,
@@ -187,19 +213,23 @@ impl PyInvalidBlocksOutcome {
     #[new]
     #[pyo3(signature = (failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens), text_signature = None)]
     fn new(
-        failed_req_ids: HashSet<String>,
-        rescheduled_req_ids: HashSet<String>,
-        retry_req_ids: HashSet<String>,
-        evicted_block_ids: HashSet<i64>,
+        failed_req_ids: &Bound<'_, PyAny>,
+        rescheduled_req_ids: &Bound<'_, PyAny>,
+        retry_req_ids: &Bound<'_, PyAny>,
+        evicted_block_ids: &Bound<'_, PyAny>,
         total_affected_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
+        let failed_waiting = set_field(failed_req_ids, owned_id)?;
+        let rescheduled_req_ids = set_field(rescheduled_req_ids, owned_id)?;
+        let retry_req_ids = set_field(retry_req_ids, owned_id)?;
+        let evicted_block_ids = set_field(evicted_block_ids, |id| id.extract::<i64>())?;
         let total_affected_tokens = index_uint(total_affected_tokens)?;
         Ok(Self {
-            failed_waiting: failed_req_ids.into_iter().collect(),
+            failed_waiting,
             failed_running: Vec::new(),
-            rescheduled_req_ids: rescheduled_req_ids.into_iter().collect(),
-            retry_req_ids: retry_req_ids.into_iter().collect(),
-            evicted_block_ids: evicted_block_ids.into_iter().collect(),
+            rescheduled_req_ids,
+            retry_req_ids,
+            evicted_block_ids,
             total_affected_tokens,
         })
     }
@@ -329,7 +359,7 @@ impl<'py> RequestColumns<'py> {
             requests: Vec::new(),
         };
         for request in &requests {
-            let id: PyBackedStr = request.getattr("request_id")?.extract()?;
+            let id = request_id(&request.getattr("request_id")?, "request_id")?;
             cols.computed
                 .push(request.getattr("num_computed_tokens")?.extract()?);
             let scheduled = match &scheduled_map {
@@ -628,12 +658,12 @@ pub fn handle_failed_recving(
     // subclass's `__eq__` or `__hash__`.
     let reported = to_list(failed_req_ids)?
         .iter()
-        .map(|id| id.extract::<PyBackedStr>())
+        .map(|id| request_id(&id, "failed_req_ids item"))
         .collect::<PyResult<Vec<_>>>()?;
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
-        .map(|r| r.getattr("request_id")?.extract::<PyBackedStr>())
+        .map(|r| request_id(&r.getattr("request_id")?, "request_id"))
         .collect::<PyResult<Vec<_>>>()?;
     check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();
