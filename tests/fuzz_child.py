@@ -10,9 +10,9 @@ reference into a ``MemoryError``.
 
 Each step runs on the reference (side 0) and on the native backend (side 1), each with its
 own objects and freshly built arguments. After every step the engine compares the
-outcomes (result normalised to plain values, or exact exception class; messages are
-recorded apart), the whole observable state of both sides, and, for a side that raised,
-its state before and after the call: a call that raises must change nothing.
+outcomes (result normalised to plain values, or exact exception class and message),
+the whole observable state of both sides, and, for a side that raised, its state before
+and after the call: a call that raises must change nothing.
 
 Step: ``{"op": "target.name", "args": [recipe...], "kwargs": [[name, recipe]...]}`` plus
 optional ``"save"`` (where the result goes) and ``"hold"`` / ``"advance"`` (bookkeeping
@@ -22,7 +22,7 @@ after success). Targets: ``mod`` (the backend module), ``ctx`` (test doubles), `
 
 Usage: ``python tests/fuzz_child.py`` serves programs on stdin; ``python
 tests/fuzz_child.py --replay PROGRAM.json`` (or ``-`` for stdin) runs one program and
-prints its report, exiting 1 on a divergence.
+prints its report, exiting 1 on a divergence or a different message.
 """
 
 from __future__ import annotations
@@ -330,6 +330,11 @@ class _Context:
         """Hangs (the isolation's self-test)."""
         time.sleep(seconds)
 
+    def own_message(self) -> None:
+        """Raises one class with a message naming the backend (the message check's
+        self-test)."""
+        raise ValueError(f"raised by {self.side.name}")
+
     def rb_request(self, request_id: str, num_computed_tokens: int) -> Req:
         self.side.note_id(request_id)
         return Req(request_id, num_computed_tokens)
@@ -627,7 +632,7 @@ def main(argv: list[str]) -> int:
             print(render_step(step))
         report = run_program(program, trace=True)
         print(json.dumps(report, indent=1))
-        return 1 if report["divergences"] else 0
+        return 1 if report["divergences"] or report["messages"] else 0
     serve()
     return 0
 

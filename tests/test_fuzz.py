@@ -138,16 +138,11 @@ def _worker() -> Iterator[None]:
     _WORKER.close()
 
 
-#: Message-only differences seen in this session (reported, never failing).
-MESSAGE_DIFFERENCES: dict[tuple[str, str], dict[str, Any]] = {}
-
-
 def check(program: Program) -> None:
-    """Runs ``program`` in the child; fails with a reproducer on any divergence."""
+    """Runs ``program`` in the child; fails with a reproducer on any divergence, a
+    different message for the same error class included."""
     report = _WORKER.run(program)
-    for note in report.get("messages", []):
-        MESSAGE_DIFFERENCES.setdefault((note["call"].split("(")[0], note["class"]), note)
-    if "crash" in report or report["divergences"]:
+    if "crash" in report or report["divergences"] or report["messages"]:
         pytest.fail(reproducer(program, report), pytrace=False)
     # Every step ran: no divergence is what a passing program asserts.
     assert report["steps"] == len(program)
@@ -160,7 +155,7 @@ def reproducer(program: Program, report: dict[str, Any]) -> str:
     lines = ["The backends diverged (python = reference, rust = native)."]
     if "crash" in report:
         lines += [f"CHILD {report['crash']}", "stderr (tail):", report["stderr"]]
-    for d in report.get("divergences", []):
+    for d in [*report.get("divergences", []), *report.get("messages", [])]:
         lines.append(json.dumps(d, ensure_ascii=True))
     lines.append("Calls (each backend builds its own fresh arguments):")
     lines += [f"  {fuzz_child.render_step(step)}" for step in program]
@@ -1019,3 +1014,8 @@ def test_the_child_reports_crashes_and_hangs() -> None:
     assert "sleep" in hung["stderr"]  # the watchdog's traceback shows where it hung
     fine = _WORKER.run([step("mod.BlockPool", 4, save="pool"), step("pool.get_new_blocks", 2)])
     assert fine == {"divergences": [], "messages": [], "steps": 2}
+
+
+def test_a_different_message_fails_the_program() -> None:
+    with pytest.raises(pytest.fail.Exception, match="raised by"):
+        check([step("ctx.own_message")])

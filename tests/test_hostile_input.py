@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
-from conftest import outcome
+from conftest import Req, outcome
 from kvblocks.errors import KVBlocksError
 
 
@@ -254,6 +254,14 @@ def test_request_ids_are_read_as_their_contents(backend: ModuleType) -> None:
     assert manager.get_block_ids("a") == ([1, 2],)
     outcome_ = backend.handle_failed_recving([HostileStr("a")], [request])
     assert outcome_.failed_req_ids == {"a"}
+
+
+def test_policies_and_modes_are_read_as_their_contents(backend: ModuleType) -> None:
+    request = Req("r", 16)
+    outcome_ = backend.handle_failed_recving(["r"], [request], policy=HostileStr("recompute"))
+    assert outcome_.retry_req_ids == {"r"}
+    result = backend.rollback_invalid_blocks([[1]], [16], [0], [1], 16, mode=HostileStr("strict"))
+    assert result.num_computed_tokens == [0]
 
 
 def test_unencodable_and_non_str_ids_raise_the_same_class(backend: ModuleType) -> None:

@@ -600,15 +600,22 @@ def _check_single_group(kv_cache_manager: object) -> None:
         raise UnsupportedLayoutError(MULTIPLE_GROUPS_MESSAGE)
 
 
+def _name(value: object) -> str | None:
+    """A ``str`` option's contents (a subclass's ``__eq__`` never runs, as natively)."""
+    return str.__str__(value) if isinstance(value, str) else None
+
+
 def _check_mode(mode: str) -> bool:
     """Validates ``mode``; returns whether it is strict."""
-    if mode not in ROLLBACK_MODES:
+    name = _name(mode)
+    if name not in ROLLBACK_MODES:
         raise ValueError(f"mode must be {either(ROLLBACK_MODES)}, got {mode!r}")
-    return mode == "strict"
+    return name == "strict"
 
 
 def _check_policy(policy: str) -> bool:
     """Validates ``policy``; returns whether it is ``recompute``."""
-    if policy not in LOAD_FAILURE_POLICIES:
+    name = _name(policy)
+    if name not in LOAD_FAILURE_POLICIES:
         raise ValueError(f"policy must be {either(LOAD_FAILURE_POLICIES)}, got {policy!r}")
-    return policy == "recompute"
+    return name == "recompute"
