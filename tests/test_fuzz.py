@@ -1,4 +1,4 @@
-"""The differential fuzzer (issue 13): both backends in lockstep, hostile inputs included.
+"""The differential fuzzer: both backends in lockstep, hostile inputs included.
 
 Each test draws a *program*: a list of calls on one API area (pool, hashing, requests,
 manager, rollback, constructors and value classes) whose arguments are mostly valid and

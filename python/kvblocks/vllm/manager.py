@@ -14,7 +14,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm.distributed import kv_events as vllm_events
-from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_spec_kind
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -37,11 +42,27 @@ class BlockPool:
     the manager's native pool. Blocks come back as :class:`KVCacheBlock` snapshots;
     ``free_blocks`` and ``touch`` take those (or ids)."""
 
-    __slots__ = ("_pool", "enable_caching", "hash_block_size", "num_gpu_blocks")
+    #: Where the blocks live, as vLLM's pool says.
+    medium = "GPU"
+    #: No KV-cache metrics collector (configurations with one fall back).
+    metrics_collector = None
+    #: No hash lookahead (EAGLE/MTP configurations fall back).
+    num_hash_lookahead_tokens = 0
 
-    def __init__(self, pool: Any, *, enable_caching: bool, block_size: int) -> None:
+    __slots__ = (
+        "_pool",
+        "enable_caching",
+        "enable_kv_cache_events",
+        "hash_block_size",
+        "num_gpu_blocks",
+    )
+
+    def __init__(
+        self, pool: Any, *, enable_caching: bool, enable_kv_cache_events: bool, block_size: int
+    ) -> None:
         self._pool = pool
         self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
         self.hash_block_size = block_size
         self.num_gpu_blocks: int = pool.num_blocks
 
@@ -85,6 +106,20 @@ class BlockPool:
         """``1 - free / (num_gpu_blocks - 1)``."""
         return self._pool.get_usage()  # type: ignore[no-any-return]
 
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether the block may be written: every block but the null block (no
+        pinning without a connector that needs vLLM's pool)."""
+        return not block.is_null
+
+
+class RequestId:
+    """All that freeing reads of a request: its id."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
 
 class SingleTypeManager:
     """What vLLM's Scheduler, engine core and connectors read of the group's manager."""
@@ -105,20 +140,74 @@ class KVCacheCoordinator:
     enable_partial_hash_hits = False
     full_attention_group_id = 0
     num_reprefillable_tokens = 0
+    dcp_world_size = 1
+    pcp_world_size = 1
+    #: Dense caching: vLLM's unitary coordinator has no retention interval.
+    retention_interval = None
 
-    __slots__ = ("_manager", "block_pool", "eagle_group_ids", "single_type_managers")
+    __slots__ = (
+        "_manager",
+        "block_pool",
+        "block_size",
+        "drop_eagle_group_ids",
+        "eagle_group_ids",
+        "group_block_sizes",
+        "kv_cache_config",
+        "kv_cache_spec",
+        "scheduler_block_size",
+        "single_type_managers",
+    )
 
-    def __init__(self, manager: KVCacheManager, spec: KVCacheSpec, block_pool: BlockPool) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        kv_cache_config: KVCacheConfig,
+        block_pool: BlockPool,
+    ) -> None:
         self._manager = manager
+        self.kv_cache_config = kv_cache_config
+        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size: int = self.kv_cache_spec.block_size
+        self.scheduler_block_size = self.block_size
+        self.group_block_sizes = (self.block_size,)
         self.block_pool = block_pool
-        self.single_type_managers = (SingleTypeManager(spec, block_pool),)
+        self.single_type_managers = (SingleTypeManager(self.kv_cache_spec, block_pool),)
         self.eagle_group_ids: set[int] = set()
+        self.drop_eagle_group_ids: set[int] = set()
+
+    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlock], ...]:
+        """The request's blocks, one sequence per group."""
+        return self._manager.get_blocks(request_id).blocks  # type: ignore[no-any-return]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks within ``num_computed_tokens`` tokens."""
+        self._manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Frees the request's blocks, tail first."""
+        self._manager.free(RequestId(request_id))
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forgets the request; returns its blocks, unfreed, in table order."""
+        return self._manager.pop_blocks_for_free(RequestId(request_id))  # type: ignore[no-any-return]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use."""
+        return self._manager.block_pool.reset_prefix_cache()
+
+    def new_step_starts(self) -> None:
+        """Nothing to do for full attention."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Full attention skips no tokens."""
 
     def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        new_computed_blocks: Sequence[Sequence[Any]],
         num_encoder_tokens: int = 0,
         total_computed_tokens: int = 0,
         num_local_computed_tokens: int = 0,
@@ -168,13 +257,15 @@ class KVCacheManager(VllmKVCacheManager):
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.kv_cache_event_metadata = ((spec_kind(spec), get_kv_cache_spec_sliding_window(spec)),)
         pool = BlockPool(
             super().block_pool,
             enable_caching=config.enable_caching,
+            enable_kv_cache_events=config.enable_kv_cache_events,
             block_size=config.scheduler_block_size,
         )
         self._vllm_block_pool = pool
-        self.coordinator = KVCacheCoordinator(self, spec, pool)
+        self.coordinator = KVCacheCoordinator(self, config.kv_cache_config, pool)
 
     @property
     def block_pool(self) -> BlockPool:  # type: ignore[override]
@@ -199,19 +290,14 @@ class KVCacheManager(VllmKVCacheManager):
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:  # type: ignore[override]
         """The prefix-cache stats since the last call (then reset), or None."""
-        counters = self.take_prefix_cache_counters()
-        if counters is None:
-            return None
-        reset, requests, queries, hits, p_requests, p_queries, p_hits = counters
-        return PrefixCacheStats(
-            reset=reset,
-            requests=requests,
-            queries=queries,
-            hits=hits,
-            preempted_requests=p_requests,
-            preempted_queries=p_queries,
-            preempted_hits=p_hits,
-        )
+        return to_prefix_cache_stats(self.take_prefix_cache_counters())
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats being accumulated since the last
+        :meth:`make_prefix_cache_stats`, or None without ``log_stats`` (vLLM's
+        attribute; a snapshot, made when read)."""
+        return to_prefix_cache_stats(self.prefix_cache_counters())
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (no cascade attention): ``[0]``."""
@@ -243,6 +329,24 @@ class KVCacheManager(VllmKVCacheManager):
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """No zeroing with one uniform full-attention group."""
+
+
+def to_prefix_cache_stats(
+    counters: tuple[bool, int, int, int, int, int, int] | None,
+) -> PrefixCacheStats | None:
+    """vLLM's stats class from the native counters (None stays None)."""
+    if counters is None:
+        return None
+    reset, requests, queries, hits, p_requests, p_queries, p_hits = counters
+    return PrefixCacheStats(
+        reset=reset,
+        requests=requests,
+        queries=queries,
+        hits=hits,
+        preempted_requests=p_requests,
+        preempted_queries=p_queries,
+        preempted_hits=p_hits,
+    )
 
 
 def spec_kind(spec: KVCacheSpec) -> str:

@@ -19,6 +19,8 @@ pub enum ErrorKind {
     UnsupportedLayout,
     /// `kvblocks.InvariantError`.
     Invariant,
+    /// `AssertionError`: what vLLM asserts, refused as vLLM does (vLLM callers only).
+    Assertion,
 }
 
 /// Everything a core call can refuse. A call that returns an error changed nothing.
@@ -51,6 +53,9 @@ pub enum Error {
     UnsupportedLayout(String),
     /// `check_invariants` found the named rule broken.
     Invariant(String),
+    /// An argument vLLM's own manager refuses with an `assert`, given by a caller
+    /// that asked for vLLM's tolerance ([`crate::manager::Tolerance::Vllm`]).
+    Assertion(String),
 }
 
 impl Error {
@@ -68,6 +73,7 @@ impl Error {
             Self::UnknownBlock { .. } => ErrorKind::UnknownBlock,
             Self::UnsupportedLayout(_) => ErrorKind::UnsupportedLayout,
             Self::Invariant(_) => ErrorKind::Invariant,
+            Self::Assertion(_) => ErrorKind::Assertion,
         }
     }
 }
@@ -107,9 +113,10 @@ impl fmt::Display for Error {
             Self::HashTooLong { len } => {
                 write!(f, "block hash must be at most 32 bytes, got {len}")
             }
-            Self::InvalidArgument(msg) | Self::UnsupportedLayout(msg) | Self::Invariant(msg) => {
-                f.write_str(msg)
-            }
+            Self::InvalidArgument(msg)
+            | Self::UnsupportedLayout(msg)
+            | Self::Invariant(msg)
+            | Self::Assertion(msg) => f.write_str(msg),
         }
     }
 }

@@ -14,6 +14,14 @@
 //! Every method validates first and mutates after: an `Err` (and an `Ok(None)` from
 //! [`KVCacheManager::allocate_slots`]) means nothing changed.
 //!
+//! Counts are vLLM's: signed token counts, summed and capped as vLLM sums and caps
+//! them, and turned into block counts with vLLM's floor and ceiling divisions, where
+//! a count at or below zero asks for no block. A [`Tolerance`] says what happens to
+//! an argument outside the documented domain: the library refuses it
+//! ([`Tolerance::Strict`]); vLLM's scheduler gets exactly what vLLM's own manager
+//! does with it ([`Tolerance::Vllm`]): nothing where vLLM does nothing, an
+//! [`Error::Assertion`] where vLLM asserts.
+//!
 //! Invariants (checked by [`KVCacheManager::check_invariants`]):
 //! * the pool's own invariants hold;
 //! * tables never hold the null block, and each table entry is one reference: a
@@ -33,6 +41,16 @@ use crate::request::{HashSource, RequestView};
 
 /// The KV cache group id of the single full-attention group.
 const GROUP_ID: u32 = 0;
+
+/// What the manager does with an argument outside the documented domain.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Tolerance {
+    /// Refuse it with the documented error, changing nothing (the library API).
+    #[default]
+    Strict,
+    /// Do what vLLM 0.33.0's own manager does with it (its scheduler is the caller).
+    Vllm,
+}
 
 /// The optional arguments of [`KVCacheManager::allocate_slots`], vLLM's defaults
 /// being `Default::default()` (with `num_new_tokens` set by the caller).
@@ -81,40 +99,55 @@ pub struct PrefixCacheStats {
     /// Whether the prefix cache was reset meanwhile.
     pub reset: bool,
     /// Requests recorded (not preempted before).
-    pub requests: u64,
+    pub requests: i64,
     /// Tokens looked up.
-    pub queries: u64,
+    pub queries: i64,
     /// Tokens found cached.
-    pub hits: u64,
+    pub hits: i64,
     /// Requests recorded again after a preemption (vLLM counts them apart).
-    pub preempted_requests: u64,
+    pub preempted_requests: i64,
     /// Tokens looked up by those requests.
-    pub preempted_queries: u64,
+    pub preempted_queries: i64,
     /// Tokens those requests found cached.
-    pub preempted_hits: u64,
+    pub preempted_hits: i64,
 }
 
 /// `allocate_slots` with nothing to place (vLLM's message).
 const NOTHING_TO_PLACE: &str =
     "num_new_tokens must be greater than 0 when there are no computed tokens to adopt";
 
-/// The validated token layout of one `allocate_slots` call.
+/// The token layout of one `allocate_slots` call, in vLLM's signed arithmetic.
 #[derive(Debug, Clone, Copy)]
 struct SlotCounts {
     /// The request's tokens.
-    num_tokens: usize,
+    num_tokens: i64,
     /// Tokens a KV connector loads.
-    num_external: usize,
+    num_external: i64,
     /// Computed + new computed + external, capped at `max_model_len`.
-    total_computed: usize,
+    total_computed: i64,
     /// `total_computed` + new tokens.
-    main_tokens: usize,
+    main_tokens: i64,
     /// Blocks the table needs to hold the slots (lookahead included).
     required: usize,
     /// Blocks the whole sequence needs (`num_tokens`, capped at `max_model_len`).
     full_sequence: usize,
     /// Free blocks to leave to other sequences.
-    reserved: usize,
+    reserved: i64,
+}
+
+/// vLLM's `cdiv(tokens, block_size)` as a block count: none for `tokens <= 0`.
+fn blocks_for(tokens: i64, block_size: usize) -> usize {
+    usize::try_from(tokens).map_or(0, |t| t.div_ceil(block_size))
+}
+
+/// vLLM's `tokens // block_size` as a block count: none for `tokens <= 0`.
+fn full_blocks_in(tokens: i64, block_size: usize) -> usize {
+    usize::try_from(tokens).map_or(0, |t| t / block_size)
+}
+
+/// A token count as vLLM's signed int (counts here never reach `i64::MAX`).
+fn signed(tokens: usize) -> i64 {
+    i64::try_from(tokens).unwrap_or(i64::MAX)
 }
 
 /// A checked caching step: which blocks of the table to cache, their hashes, and the
@@ -147,6 +180,7 @@ pub struct KVCacheManager {
     stats: Option<PrefixCacheStats>,
     /// Free blocks admissions leave untouched while other requests are scheduled.
     watermark_blocks: usize,
+    tolerance: Tolerance,
     requests: FxHashMap<String, RequestBlocks>,
 }
 
@@ -174,18 +208,39 @@ impl KVCacheManager {
             max_model_len,
             stats: log_stats.then(PrefixCacheStats::default),
             watermark_blocks: 0,
+            tolerance: Tolerance::Strict,
             requests: FxHashMap::default(),
         })
+    }
+
+    /// Sets what the manager does with arguments outside the documented domain.
+    pub fn set_tolerance(&mut self, tolerance: Tolerance) {
+        self.tolerance = tolerance;
+    }
+
+    /// Whether arguments outside the documented domain are refused.
+    fn strict(&self) -> bool {
+        self.tolerance == Tolerance::Strict
+    }
+
+    /// A refusal of what vLLM asserts against: [`Error::InvalidArgument`] for the
+    /// library, [`Error::Assertion`] (vLLM's `AssertionError`) for vLLM's scheduler.
+    fn refuse(&self, message: String) -> Error {
+        if self.strict() {
+            Error::InvalidArgument(message)
+        } else {
+            Error::Assertion(message)
+        }
     }
 
     /// Keeps `int(watermark * num_blocks)` blocks free when admitting requests while
     /// others are scheduled (vLLM's `watermark`).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a negative or non-finite fraction.
+    /// A refusal ([`Self::refuse`]) of a negative or non-finite fraction.
     pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
         if !watermark.is_finite() || watermark < 0.0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(self.refuse(format!(
                 "watermark must be a finite non-negative fraction, got {watermark}"
             )));
         }
@@ -290,13 +345,20 @@ impl KVCacheManager {
         request: &RequestView<'_, H>,
         lookup: Lookup,
     ) -> Result<(Vec<u32>, usize)> {
-        let num_tokens = non_negative("num_tokens", request.num_tokens)?;
+        if self.strict() {
+            non_negative("num_tokens", request.num_tokens)?;
+        }
         if !self.pool.enable_caching() || lookup.skip_reading_prefix_cache {
             return Ok((Vec::new(), 0));
         }
+        // vLLM slices the hashes with `islice`, which refuses a negative stop
+        // (`ValueError`); a request without tokens has a bound of -1.
         let max_tokens = match lookup.max_cache_hit_length {
             Some(m) => non_negative("max_cache_hit_length", m)?,
-            None => num_tokens.saturating_sub(1),
+            None if self.strict() => usize::try_from(request.num_tokens)
+                .unwrap_or(0)
+                .saturating_sub(1),
+            None => non_negative("max_cache_hit_length", request.num_tokens.saturating_sub(1))?,
         };
         let max_blocks = (max_tokens / self.block_size).min(request.block_hashes.num_hashes());
         // One hash at a time: the scan stops at the first miss, and a hash past it is
@@ -339,17 +401,14 @@ impl KVCacheManager {
         };
         let free = self.pool.num_free_blocks();
         // The admission gate compares against all free blocks, the step against what
-        // the reservation leaves, as vLLM does.
+        // the reservation leaves, as vLLM does (a negative reservation adds room).
         if args.full_sequence_must_fit
             && to_allocate(counts.full_sequence).saturating_add(watermark) > free
         {
             return Ok(None);
         }
-        if to_allocate(required)
-            .saturating_add(watermark)
-            .saturating_add(counts.reserved)
-            > free
-        {
+        let available = i128::from(signed(free)) - i128::from(counts.reserved);
+        if i128::from(signed(to_allocate(required).saturating_add(watermark))) > available {
             return Ok(None);
         }
 
@@ -362,7 +421,9 @@ impl KVCacheManager {
             } else {
                 state.and_then(|s| s.num_cached).unwrap_or(0)
             };
-            let cache_tokens = counts.main_tokens.min(counts.num_tokens);
+            // A negative count caches nothing, as vLLM's floor division makes it.
+            let cache_tokens =
+                usize::try_from(counts.main_tokens.min(counts.num_tokens)).unwrap_or(0);
             self.plan_caching(
                 request,
                 state.map_or(&[][..], |s| &s.blocks),
@@ -377,7 +438,9 @@ impl KVCacheManager {
             self.pool.touch_ids(hits.iter().copied(), hits.len())?;
         }
 
-        // Validation done: from here on nothing can fail. (Look up before inserting, so
+        // Validation done: from here on nothing can fail, except the pool running short
+        // after a vLLM caller's negative reservation, where vLLM fails at the same
+        // point, hits adopted. (Look up before inserting, so
         // a running request's step does not allocate a key string.)
         if !self.requests.contains_key(id) {
             self.requests
@@ -390,9 +453,7 @@ impl KVCacheManager {
             entry.blocks.extend_from_slice(&hits);
             entry.num_cached = Some(entry.blocks.len());
             if counts.num_external > 0 {
-                let n = counts
-                    .total_computed
-                    .div_ceil(self.block_size)
+                let n = blocks_for(counts.total_computed, self.block_size)
                     .saturating_sub(entry.blocks.len());
                 self.pool.get_new_blocks_into(n, &mut entry.blocks)?;
             }
@@ -416,52 +477,69 @@ impl KVCacheManager {
     }
 
     /// Caches the request's full blocks covering its first `num_computed_tokens`
-    /// tokens (vLLM's `cache_blocks`). A no-op with caching off.
+    /// tokens (vLLM's `cache_blocks`). A no-op with caching off, and for a count that
+    /// covers no block beyond those cached (vLLM's, negative ones included).
+    ///
+    /// Tokens reaching past the request's block table are refused by a strict
+    /// manager; vLLM's caches the blocks the table has and counts the rest as cached.
     ///
     /// # Errors
-    /// [`Error::Negative`]; [`Error::TooManyFullBlocks`] when those tokens reach past
-    /// the request's block table; [`Error::AlreadyHashed`] if a block was hashed behind
-    /// the manager's back; errors of the [`HashSource`].
+    /// [`Error::Negative`] (strict); [`Error::TooManyFullBlocks`] (strict) when those
+    /// tokens reach past the request's block table; [`Error::AlreadyHashed`] if a
+    /// block was hashed behind the manager's back; errors of the [`HashSource`].
     pub fn cache_blocks<H: HashSource + ?Sized>(
         &mut self,
         request: &RequestView<'_, H>,
         num_computed_tokens: i64,
     ) -> Result<()> {
-        let num_tokens = non_negative("num_computed_tokens", num_computed_tokens)?;
+        if self.strict() {
+            non_negative("num_computed_tokens", num_computed_tokens)?;
+        }
         if !self.pool.enable_caching() {
             return Ok(());
         }
         let state = self.requests.get(request.request_id);
         let blocks = state.map_or(&[][..], |s| &s.blocks);
         let num_cached = state.and_then(|s| s.num_cached).unwrap_or(0);
-        let full = num_tokens.min(
+        let num_hashed = signed(
             request
                 .block_hashes
                 .num_hashes()
                 .saturating_mul(self.block_size),
-        ) / self.block_size;
-        if full > blocks.len() {
+        );
+        let full = full_blocks_in(num_computed_tokens.min(num_hashed), self.block_size);
+        if num_cached >= full {
+            return Ok(());
+        }
+        if full > blocks.len() && self.strict() {
             return Err(Error::TooManyFullBlocks {
                 num_full_blocks: full,
                 num_block_ids: blocks.len(),
             });
         }
-        let Some(plan) =
-            self.plan_caching(request, blocks, num_cached, num_tokens, blocks.len())?
-        else {
-            return Ok(());
-        };
-        let Some(to_cache) = blocks.get(plan.range.clone()) else {
-            return Err(Error::TooManyFullBlocks {
-                num_full_blocks: plan.range.end,
-                num_block_ids: blocks.len(),
-            });
-        };
-        self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
-        if let Some(entry) = self.requests.get_mut(request.request_id) {
-            entry.num_cached = Some(plan.range.end);
+        let tokens = full.saturating_mul(self.block_size);
+        let plan = self.plan_caching(request, blocks, num_cached, tokens, blocks.len())?;
+        if let Some(plan) = &plan {
+            let Some(to_cache) = blocks.get(plan.range.clone()) else {
+                return Err(Error::TooManyFullBlocks {
+                    num_full_blocks: plan.range.end,
+                    num_block_ids: blocks.len(),
+                });
+            };
+            self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
+            Self::record_stored(self.pool.events_mut(), plan);
         }
-        Self::record_stored(self.pool.events_mut(), &plan);
+        // vLLM records the count even for blocks past the table, and for a request
+        // it does not know yet.
+        if let Some(entry) = self.requests.get_mut(request.request_id) {
+            entry.num_cached = Some(full);
+        } else {
+            let entry = RequestBlocks {
+                blocks: Vec::new(),
+                num_cached: Some(full),
+            };
+            self.requests.insert(request.request_id.to_owned(), entry);
+        }
         Ok(())
     }
 
@@ -535,25 +613,52 @@ impl KVCacheManager {
 
     /// The blocks an allocation giving the request `num_tokens` slots would take
     /// from the free pool, with `new_computed_blocks` as its prefix hits (vLLM's
-    /// `coordinator.get_num_blocks_to_allocate` for one full-attention group).
+    /// `coordinator.get_num_blocks_to_allocate` for one full-attention group; a
+    /// count at or below zero needs no block).
     ///
     /// # Errors
-    /// [`Error::Negative`] for `num_tokens`; the errors of the hits' checks in
-    /// [`KVCacheManager::allocate_slots`].
+    /// [`Error::Negative`] for `num_tokens` (strict); the errors of the hits' checks
+    /// in [`KVCacheManager::allocate_slots`].
     pub fn num_blocks_to_allocate(
         &self,
         request_id: &str,
         num_tokens: i64,
         new_computed_blocks: &[i64],
     ) -> Result<usize> {
-        let num_tokens = non_negative("num_tokens", num_tokens)?;
+        if self.strict() {
+            non_negative("num_tokens", num_tokens)?;
+        }
         let hits = self.check_hits(new_computed_blocks)?;
         let state = self.requests.get(request_id);
         self.check_adoption(request_id, state, &hits, 0)?;
         let held = state.map_or(0, |s| s.blocks.len());
-        Ok(self.blocks_to_take(held, &hits)(
-            num_tokens.div_ceil(self.block_size),
-        ))
+        Ok(self.blocks_to_take(held, &hits)(blocks_for(
+            num_tokens,
+            self.block_size,
+        )))
+    }
+
+    /// The leading blocks of the request's table that hold its first
+    /// `num_computed_tokens` tokens (vLLM's `get_block_ids_for_computed_tokens`:
+    /// `table[:cdiv(num_computed_tokens, block_size)]`, a negative end counting from
+    /// the table's end as Python's slices do).
+    pub fn block_ids_for_computed_tokens(
+        &self,
+        request_id: &str,
+        num_computed_tokens: i64,
+    ) -> &[u32] {
+        let table = self.get_block_ids(request_id);
+        let size = signed(self.block_size);
+        // Python's ceiling division: -(-n // size).
+        let end = num_computed_tokens.div_euclid(size)
+            + i64::from(num_computed_tokens.rem_euclid(size) != 0);
+        let len = signed(table.len());
+        let end = if end < 0 {
+            (len + end).max(0)
+        } else {
+            end.min(len)
+        };
+        &table[..usize::try_from(end).unwrap_or(0)]
     }
 
     /// The request's block table (empty for an unknown request).
@@ -568,12 +673,31 @@ impl KVCacheManager {
             .map(|(id, s)| (id.as_str(), s.blocks.as_slice()))
     }
 
-    /// [`BlockPool::evict_blocks`].
+    /// [`BlockPool::evict_blocks`]. vLLM indexes its block list with each id: an id
+    /// past the pool fails its assert, and a negative one counts from the end.
     ///
     /// # Errors
-    /// [`Error::UnknownBlock`] for an id out of range.
+    /// [`Error::UnknownBlock`] for an id out of range (vLLM: an id below
+    /// `-num_blocks`); [`Error::Assertion`] (vLLM) for an id of `num_blocks` or more.
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
-        self.pool.evict_blocks(block_ids)
+        if self.strict() {
+            return self.pool.evict_blocks(block_ids);
+        }
+        let n = i64::from(self.pool.num_blocks());
+        let ids = block_ids
+            .iter()
+            .map(|&id| {
+                if id >= n {
+                    return Err(Error::Assertion(format!(
+                        "Invalid block_id {id} >= {n}. This indicates a bug in the KV \
+                         connector - workers should only report block IDs that were \
+                         allocated by the scheduler."
+                    )));
+                }
+                Ok(if id < 0 { id.saturating_add(n) } else { id })
+            })
+            .collect::<Result<Vec<i64>>>()?;
+        self.pool.evict_blocks(&ids)
     }
 
     /// [`BlockPool::reset_prefix_cache`]; on success also marks the stats as reset.
@@ -619,7 +743,8 @@ impl KVCacheManager {
         self.record_lookup(request, num_hits, skipped, preempted)
     }
 
-    /// Validates one recorded lookup and counts it unless `skipped`.
+    /// Validates one recorded lookup (strict) and counts it unless `skipped`; vLLM
+    /// adds whatever it is given.
     fn record_lookup<H: HashSource + ?Sized>(
         &mut self,
         request: &RequestView<'_, H>,
@@ -627,12 +752,15 @@ impl KVCacheManager {
         skipped: bool,
         preempted: bool,
     ) -> Result<()> {
-        let queries = non_negative("num_tokens", request.num_tokens)?;
-        let hits = non_negative("num_hits", num_hits)?;
-        if hits > queries {
-            return Err(Error::InvalidArgument(format!(
-                "num_hits {hits} exceeds the request's {queries} tokens"
-            )));
+        let queries = request.num_tokens;
+        if self.strict() {
+            non_negative("num_tokens", queries)?;
+            non_negative("num_hits", num_hits)?;
+            if num_hits > queries {
+                return Err(Error::InvalidArgument(format!(
+                    "num_hits {num_hits} exceeds the request's {queries} tokens"
+                )));
+            }
         }
         if let (Some(stats), false) = (&mut self.stats, skipped) {
             let (requests, total_queries, total_hits) = if preempted {
@@ -644,11 +772,10 @@ impl KVCacheManager {
             } else {
                 (&mut stats.requests, &mut stats.queries, &mut stats.hits)
             };
-            // Counters only grow; saturating keeps a pathological run panic-free.
+            // Saturating keeps a pathological run panic-free.
             *requests = requests.saturating_add(1);
-            *total_queries =
-                total_queries.saturating_add(u64::try_from(queries).unwrap_or(u64::MAX));
-            *total_hits = total_hits.saturating_add(u64::try_from(hits).unwrap_or(u64::MAX));
+            *total_queries = total_queries.saturating_add(queries);
+            *total_hits = total_hits.saturating_add(num_hits);
         }
         Ok(())
     }
@@ -656,6 +783,12 @@ impl KVCacheManager {
     /// The stats since the last call, zeroing them; `None` without stats logging.
     pub fn make_prefix_cache_stats(&mut self) -> Option<PrefixCacheStats> {
         self.stats.as_mut().map(std::mem::take)
+    }
+
+    /// The stats being accumulated since the last [`Self::make_prefix_cache_stats`];
+    /// `None` without stats logging.
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.stats
     }
 
     /// Checks the pool's invariants and the tables against it.
@@ -666,7 +799,8 @@ impl KVCacheManager {
         self.pool.check_invariants()?;
         let mut holders = vec![0u32; ix(self.pool.num_blocks())];
         for (id, state) in &self.requests {
-            if state.num_cached.is_some_and(|c| c > state.blocks.len()) {
+            // vLLM's own count may run past the table (see `cache_blocks`).
+            if self.strict() && state.num_cached.is_some_and(|c| c > state.blocks.len()) {
                 return Err(Error::Invariant(format!(
                     "request {id} has more cached blocks than table entries"
                 )));
@@ -696,41 +830,46 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Validates the counts of an `allocate_slots` call and lays out its tokens:
+    /// Lays out the tokens of an `allocate_slots` call as vLLM does:
     /// `| computed | new computed | external | new | lookahead |`, capped at
-    /// `max_model_len`.
+    /// `max_model_len`. Strict callers' counts must be non-negative.
     fn slot_counts<H: HashSource + ?Sized>(
         &self,
         request: &RequestView<'_, H>,
         args: &SlotRequest<'_>,
     ) -> Result<SlotCounts> {
-        let num_new = non_negative("num_new_tokens", args.num_new_tokens)?;
-        let new_computed = non_negative("num_new_computed_tokens", args.num_new_computed_tokens)?;
-        let lookahead = non_negative("num_lookahead_tokens", args.num_lookahead_tokens)?;
-        let num_external = non_negative(
-            "num_external_computed_tokens",
-            args.num_external_computed_tokens,
-        )?;
-        let reserved = non_negative("reserved_blocks", args.reserved_blocks)?;
-        let num_tokens = non_negative("num_tokens", request.num_tokens)?;
-        let num_computed = non_negative("num_computed_tokens", request.num_computed_tokens)?;
-        if num_new == 0 && num_external == 0 && new_computed == 0 {
+        if self.strict() {
+            non_negative("num_new_tokens", args.num_new_tokens)?;
+            non_negative("num_new_computed_tokens", args.num_new_computed_tokens)?;
+            non_negative("num_lookahead_tokens", args.num_lookahead_tokens)?;
+            non_negative(
+                "num_external_computed_tokens",
+                args.num_external_computed_tokens,
+            )?;
+            non_negative("reserved_blocks", args.reserved_blocks)?;
+            non_negative("num_tokens", request.num_tokens)?;
+            non_negative("num_computed_tokens", request.num_computed_tokens)?;
+        }
+        let num_new = args.num_new_tokens;
+        let num_external = args.num_external_computed_tokens;
+        if num_new == 0 && num_external == 0 && args.num_new_computed_tokens == 0 {
             return Err(Error::InvalidArgument(NOTHING_TO_PLACE.to_owned()));
         }
-        let cap = |n: usize| self.max_model_len.map_or(n, |m| n.min(m));
-        let total_computed = cap(num_computed
-            .saturating_add(new_computed)
+        let cap = |n: i64| self.max_model_len.map_or(n, |m| n.min(signed(m)));
+        let total_computed = cap(request
+            .num_computed_tokens
+            .saturating_add(args.num_new_computed_tokens)
             .saturating_add(num_external));
         let main_tokens = total_computed.saturating_add(num_new);
-        let slot_tokens = cap(main_tokens.saturating_add(lookahead));
+        let slot_tokens = cap(main_tokens.saturating_add(args.num_lookahead_tokens));
         Ok(SlotCounts {
-            num_tokens,
+            num_tokens: request.num_tokens,
             num_external,
             total_computed,
             main_tokens,
-            required: slot_tokens.div_ceil(self.block_size),
-            full_sequence: cap(num_tokens).div_ceil(self.block_size),
-            reserved,
+            required: blocks_for(slot_tokens, self.block_size),
+            full_sequence: blocks_for(cap(request.num_tokens), self.block_size),
+            reserved: args.reserved_blocks,
         })
     }
 
@@ -743,18 +882,18 @@ impl KVCacheManager {
         id: &str,
         state: Option<&RequestBlocks>,
         hits: &[u32],
-        num_external: usize,
+        num_external: i64,
     ) -> Result<bool> {
         let held = state.map_or(0, |s| s.blocks.len());
         let known = state.is_some_and(|s| s.num_cached.is_some());
         if !hits.is_empty() && !self.pool.enable_caching() {
-            return Err(Error::InvalidArgument(
+            return Err(self.refuse(
                 "new_computed_blocks must be empty when prefix caching is disabled".to_owned(),
             ));
         }
         let adopts = !known && (!hits.is_empty() || num_external > 0);
         if (known && !hits.is_empty()) || (adopts && held > 0) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(self.refuse(format!(
                 "request {id} already holds blocks, so it cannot adopt computed tokens"
             )));
         }

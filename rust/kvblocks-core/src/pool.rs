@@ -550,7 +550,10 @@ impl BlockPool {
     }
 
     /// `id` as a block id of this pool.
-    pub(crate) fn check_id(&self, id: i64) -> Result<u32> {
+    ///
+    /// # Errors
+    /// [`Error::UnknownBlock`] for an id outside `0 .. num_blocks`.
+    pub fn check_id(&self, id: i64) -> Result<u32> {
         u32::try_from(id)
             .ok()
             .filter(|&b| b < self.num_blocks)

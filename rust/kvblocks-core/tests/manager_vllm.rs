@@ -2,13 +2,14 @@
 //! golden traces: the full-sequence admission gate, reserved blocks, the watermark,
 //! prefix hits that are free (and so consumed by touching them), deferred frees,
 //! `estimate_cached_tokens`, the coordinator's block count, bounded lookups, preempted
-//! stats and "full"-mode reuse events. Each case states vLLM's arithmetic.
+//! stats, "full"-mode reuse events, and what vLLM does with arguments outside the
+//! library's domain ([`Tolerance::Vllm`]). Each case states vLLM's arithmetic.
 
 mod common;
 
 use common::Source;
 use kvblocks_core::events::EventRecord;
-use kvblocks_core::manager::{KVCacheManager, Lookup, PrefixCacheStats, SlotRequest};
+use kvblocks_core::manager::{KVCacheManager, Lookup, PrefixCacheStats, SlotRequest, Tolerance};
 use kvblocks_core::request::RequestView;
 use kvblocks_core::{BlockHash, Error};
 
@@ -365,4 +366,175 @@ fn reused_blocks_are_reported_once_from_block_zero() {
     assert!(mgr.events().is_empty(), "a failed call records nothing");
     mgr.record_cached_block_events(&r1, 0).unwrap();
     assert!(mgr.events().is_empty());
+}
+
+/// A manager as vLLM's scheduler gets it: vLLM's tolerance.
+fn vllm_manager(num_blocks: i64) -> KVCacheManager {
+    let mut mgr = manager(num_blocks);
+    mgr.set_tolerance(Tolerance::Vllm);
+    mgr
+}
+
+#[test]
+fn a_negative_cache_count_caches_nothing() {
+    // vLLM's async spec-decode path passes num_computed_tokens - num_in_flight_tokens
+    // = -1: min(-1, 2 * 4) // 4 = -1 full blocks, not above the 0 cached.
+    let s = source(10);
+    let mut strict = manager(8);
+    let mut mgr = vllm_manager(8);
+    let delayed = SlotRequest {
+        delay_cache_blocks: true,
+        ..new_tokens(10)
+    };
+    for m in [&mut strict, &mut mgr] {
+        m.allocate_slots(&view("r", 0, &s), &delayed).unwrap();
+    }
+    assert!(matches!(
+        strict.cache_blocks(&view("r", 0, &s), -1),
+        Err(Error::Negative { .. })
+    ));
+    let before = snapshot(&mgr);
+    mgr.cache_blocks(&view("r", 0, &s), -1).unwrap();
+    mgr.cache_blocks(&view("r", 0, &s), i64::MIN).unwrap();
+    assert_eq!(snapshot(&mgr), before);
+    // 7 tokens: 7 // 4 = 1 block.
+    mgr.cache_blocks(&view("r", 0, &s), 7).unwrap();
+    assert_eq!(mgr.estimate_cached_tokens("r"), 4);
+}
+
+#[test]
+fn a_cache_count_past_the_table_is_recorded_as_vllm_records_it() {
+    // 17 tokens, 4 hashes; 2 blocks held. vLLM caches blocks[0:4] (the 2 there) and
+    // sets num_cached_block = 4, so the next 2 blocks are never hashed.
+    let s = source(17);
+    let mut mgr = vllm_manager(8);
+    let delayed = SlotRequest {
+        delay_cache_blocks: true,
+        ..new_tokens(8)
+    };
+    mgr.allocate_slots(&view("r", 0, &s), &delayed).unwrap();
+    mgr.cache_blocks(&view("r", 0, &s), 17).unwrap();
+    assert_eq!(mgr.estimate_cached_tokens("r"), 8);
+    // cdiv(8 + 9, 4) = 5 blocks; min(17, 17) // 4 = 4 <= 4 cached: nothing hashed.
+    let new = mgr
+        .allocate_slots(&view("r", 8, &s), &new_tokens(9))
+        .unwrap();
+    assert_eq!(new.map(|b| b.len()), Some(3));
+    assert_eq!(mgr.estimate_cached_tokens("r"), 8);
+    mgr.check_invariants().unwrap();
+    // A request it has not seen: nothing cached, the count kept until freed.
+    mgr.cache_blocks(&view("q", 0, &s), 17).unwrap();
+    assert!(mgr.get_block_ids("q").is_empty());
+    mgr.free("q").unwrap();
+    assert_eq!(mgr.num_requests(), 1);
+}
+
+#[test]
+fn negative_slot_counts_are_summed_before_they_are_clamped() {
+    // vLLM: total = 8 + 0 + 0, main = 8 + (-3) = 5, slots = min(5 + 2, 1024) = 7:
+    // cdiv(7, 4) = 2 blocks; a count at or below zero needs none.
+    let s = source(12);
+    let mut mgr = vllm_manager(8);
+    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(8))
+        .unwrap();
+    let odd = SlotRequest {
+        num_lookahead_tokens: 2,
+        ..new_tokens(-3)
+    };
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 8, &s), &odd),
+        Ok(Some(vec![]))
+    );
+    let overdrawn = SlotRequest {
+        num_lookahead_tokens: -40,
+        ..new_tokens(9)
+    };
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 8, &s), &overdrawn),
+        Ok(Some(vec![]))
+    );
+    // A negative reservation adds room: 6 <= 5 free - (-2) passes vLLM's check, and
+    // then the pool cannot give 6 blocks: vLLM's ValueError.
+    let reserved = SlotRequest {
+        reserved_blocks: -2,
+        ..new_tokens(24)
+    };
+    assert_eq!(
+        mgr.allocate_slots(&view("r", 8, &s), &reserved),
+        Err(Error::NoFreeBlocks {
+            requested: 6,
+            free: 5
+        })
+    );
+    // Exactly nothing to place is vLLM's ValueError too.
+    assert!(matches!(
+        mgr.allocate_slots(&view("r", 8, &s), &new_tokens(0)),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn what_vllm_asserts_is_an_assertion() {
+    // Hits for a request that already holds blocks: vLLM asserts in
+    // get_num_blocks_to_allocate; the library refuses the argument.
+    let s = source(12);
+    let mut strict = manager(8);
+    let mut mgr = vllm_manager(8);
+    for m in [&mut strict, &mut mgr] {
+        m.allocate_slots(&view("r", 0, &s), &new_tokens(8)).unwrap();
+    }
+    let hits = [1_i64];
+    let adopt = SlotRequest {
+        new_computed_blocks: &hits,
+        num_new_computed_tokens: 4,
+        ..new_tokens(4)
+    };
+    assert!(matches!(
+        strict.allocate_slots(&view("r", 8, &s), &adopt),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        mgr.allocate_slots(&view("r", 8, &s), &adopt),
+        Err(Error::Assertion(_))
+    ));
+    assert!(matches!(mgr.set_watermark(-0.5), Err(Error::Assertion(_))));
+    // evict_blocks: an id past the pool fails vLLM's assert; -7 is block 1 of 8.
+    assert!(matches!(mgr.evict_blocks(&[8]), Err(Error::Assertion(_))));
+    assert!(matches!(
+        mgr.evict_blocks(&[-9]),
+        Err(Error::UnknownBlock { .. })
+    ));
+    mgr.cache_blocks(&view("r", 8, &s), 8).unwrap();
+    assert_eq!(mgr.evict_blocks(&[-7]).unwrap().len(), 1);
+}
+
+#[test]
+fn vllm_lookups_and_slices_follow_pythons_arithmetic() {
+    let s = source(13);
+    let mut mgr = vllm_manager(8);
+    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(13))
+        .unwrap();
+    // table[:cdiv(n, 4)], a negative end counting from the end: cdiv(-9, 4) = -2.
+    let table = mgr.get_block_ids("r").to_vec();
+    for (tokens, end) in [(-9, 2), (-5, 3), (-4, 3), (-1, 0), (0, 0), (5, 2), (99, 4)] {
+        assert_eq!(
+            mgr.block_ids_for_computed_tokens("r", tokens),
+            &table[..end],
+            "{tokens}"
+        );
+    }
+    // A request without tokens looks up at most -1 tokens: islice refuses it.
+    let empty = source(0);
+    assert!(matches!(
+        mgr.get_computed_blocks(&view("e", 0, &empty)),
+        Err(Error::Negative { .. })
+    ));
+    assert!(manager(8)
+        .get_computed_blocks(&view("e", 0, &empty))
+        .is_ok());
+    // vLLM's PrefixCacheStats.record adds whatever it is given.
+    mgr.record_prefix_cache_stats(&view("r", 0, &s), -2)
+        .unwrap();
+    let stats = mgr.make_prefix_cache_stats().unwrap();
+    assert_eq!((stats.requests, stats.queries, stats.hits), (1, 13, -2));
 }

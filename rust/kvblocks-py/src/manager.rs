@@ -203,10 +203,12 @@ impl PyPrefixCacheStats {
 
 impl From<PrefixCacheStats> for PyPrefixCacheStats {
     fn from(s: PrefixCacheStats) -> Self {
+        // A strict manager's counters never go negative.
+        let count = |n: i64| u64::try_from(n).unwrap_or_default();
         Self {
-            requests: s.requests,
-            queries: s.queries,
-            hits: s.hits,
+            requests: count(s.requests),
+            queries: count(s.queries),
+            hits: count(s.hits),
             reset: s.reset,
         }
     }

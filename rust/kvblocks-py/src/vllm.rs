@@ -12,10 +12,10 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use hashbrown::HashMap;
-use kvblocks_core::manager::{Lookup, SlotRequest};
+use kvblocks_core::manager::{Lookup, PrefixCacheStats, SlotRequest, Tolerance};
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
-use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyString, PyTuple};
@@ -459,6 +459,7 @@ impl PyVllmManager {
             enable_kv_cache_events,
             Flag::FALSE,
         )?;
+        base.inner.set_tolerance(Tolerance::Vllm);
         base.inner.set_watermark(watermark).py()?;
         if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
             events.build_as(module, kv_cache_spec_kind)?;
@@ -556,13 +557,9 @@ impl PyVllmManager {
         has_scheduled_reqs: Flag,
         skip_zeroing_group_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        // One full-attention group: no encoder tokens, nothing to zero.
-        let _ = skip_zeroing_group_ids;
-        if num_encoder_tokens != 0 {
-            return Err(PyValueError::new_err(format!(
-                "num_encoder_tokens must be 0 with one full-attention group, got {num_encoder_tokens}"
-            )));
-        }
+        // One full-attention group: vLLM gives encoder tokens only to cross-attention
+        // groups, and zeroes nothing.
+        let _ = (num_encoder_tokens, skip_zeroing_group_ids);
         let hits = Self::hit_ids(new_computed_blocks)?;
         // The status matters only under a watermark: read it only then.
         let watermarked = slf.try_borrow()?.as_super().inner.watermark_blocks() > 0;
@@ -633,6 +630,24 @@ impl PyVllmManager {
         })
     }
 
+    /// A result holding the given blocks (objects with ``block_id``), one sequence per
+    /// group; the shared empty result when they hold none.
+    fn create_kv_cache_blocks(
+        slf: &Bound<'_, Self>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyKVCacheBlocks>> {
+        let ids = block_ids_of(&blocks.get_item(0)?)?;
+        let ids = {
+            let this = slf.try_borrow()?;
+            let pool = this.as_super().inner.block_pool();
+            ids.into_iter()
+                .map(|b| pool.check_id(b))
+                .collect::<kvblocks_core::Result<Vec<u32>>>()
+                .py()?
+        };
+        Self::blocks_of(slf, ids)
+    }
+
     /// The request's whole block table.
     fn get_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<Py<PyKVCacheBlocks>> {
         let ids = slf
@@ -651,12 +666,11 @@ impl PyVllmManager {
         num_computed_tokens: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let base = slf.as_super();
-        let table = base.inner.get_block_ids(request_id);
-        let block_size = base.inner.block_size();
-        let tokens = usize::try_from(num_computed_tokens).unwrap_or(0);
-        let n = tokens.div_ceil(block_size).min(table.len());
-        PyTuple::new(py, [PyList::new(py, &table[..n])?])
+        let ids = slf
+            .as_super()
+            .inner
+            .block_ids_for_computed_tokens(request_id, num_computed_tokens);
+        PyTuple::new(py, [PyList::new(py, ids)?])
     }
 
     /// The tokens the request's cached blocks cover (vLLM's ``estimate_cached_tokens``).
@@ -713,20 +727,29 @@ impl PyVllmManager {
     /// The prefix-cache counters since the last call, then zeroed: ``(reset, requests,
     /// queries, hits, preempted_requests, preempted_queries, preempted_hits)``, or
     /// ``None`` without stats.
-    #[allow(clippy::type_complexity)]
-    fn take_prefix_cache_counters(
-        mut slf: PyRefMut<'_, Self>,
-    ) -> Option<(bool, u64, u64, u64, u64, u64, u64)> {
-        slf.as_super().inner.make_prefix_cache_stats().map(|s| {
-            (
-                s.reset,
-                s.requests,
-                s.queries,
-                s.hits,
-                s.preempted_requests,
-                s.preempted_queries,
-                s.preempted_hits,
-            )
-        })
+    fn take_prefix_cache_counters(mut slf: PyRefMut<'_, Self>) -> Option<Counters> {
+        slf.as_super().inner.make_prefix_cache_stats().map(counters)
     }
+
+    /// The prefix-cache counters being accumulated, as :meth:`take_prefix_cache_counters`
+    /// gives them, without zeroing them.
+    fn prefix_cache_counters(slf: PyRef<'_, Self>) -> Option<Counters> {
+        slf.as_super().inner.prefix_cache_stats().map(counters)
+    }
+}
+
+/// `(reset, requests, queries, hits, preempted_requests, preempted_queries,
+/// preempted_hits)`.
+type Counters = (bool, i64, i64, i64, i64, i64, i64);
+
+fn counters(s: PrefixCacheStats) -> Counters {
+    (
+        s.reset,
+        s.requests,
+        s.queries,
+        s.hits,
+        s.preempted_requests,
+        s.preempted_queries,
+        s.preempted_hits,
+    )
 }

@@ -1,0 +1,215 @@
+"""Inside vLLM, kvblocks' manager does with an argument exactly what vLLM's own does.
+
+Each test makes the same calls on vLLM 0.33.0's ``KVCacheManager`` and on
+``kvblocks.vllm.KVCacheManager``, built from the same arguments with twin requests, and
+compares what came back: the block ids, or the class of the exception. The arguments are
+the odd ones vLLM's scheduler can pass (a negative ``cache_blocks`` count from its async
+spec-decode path) or that vLLM's manager takes without complaint; the manager-level
+lockstep machine (``test_manager_lockstep.py``) draws them at random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import harness
+import pytest
+from kvblocks.vllm import KVCacheManager
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+BLOCK_SIZE = 4
+Manager = KVCacheManager | VllmKVCacheManager
+
+
+def twins(**overrides: Any) -> tuple[VllmKVCacheManager, KVCacheManager]:
+    """vLLM's manager and kvblocks', from the same arguments."""
+    kwargs: dict[str, Any] = {
+        "kv_cache_config": harness.build_kv_cache_config(16, BLOCK_SIZE),
+        "max_model_len": 256,
+        "scheduler_block_size": BLOCK_SIZE,
+        "hash_block_size": BLOCK_SIZE,
+        **overrides,
+    }
+    return VllmKVCacheManager(**kwargs), KVCacheManager(**kwargs)
+
+
+def make_request(req_id: str, num_tokens: int) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(range(num_tokens)),
+        sampling_params=SamplingParams(max_tokens=8),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+class Raised:
+    """An exception's class, as an outcome: equal to a raised subclass (kvblocks'
+    errors subclass the built-in class vLLM raises)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, cls: type[BaseException]) -> None:
+        self.cls = cls
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Raised) and issubclass(other.cls, self.cls)
+
+    def __repr__(self) -> str:
+        return f"Raised({self.cls.__name__})"
+
+
+def outcome(call: Callable[[], Any]) -> Any:
+    """What a call gave, as plain values: block ids, or the exception's class."""
+    try:
+        result = call()
+    except Exception as exc:
+        return Raised(type(exc))
+    if isinstance(result, tuple):
+        return tuple(r.get_block_ids() if hasattr(r, "get_block_ids") else r for r in result)
+    return result.get_block_ids() if hasattr(result, "get_block_ids") else result
+
+
+def same(
+    managers: tuple[VllmKVCacheManager, KVCacheManager],
+    requests: dict[str, tuple[Request, Request]],
+    call: Callable[[Manager, dict[str, Request]], Any],
+) -> Any:
+    """Runs ``call`` on both managers (each with its own requests); asserts the outcomes
+    and the managers' observable state are equal; returns kvblocks' outcome."""
+    theirs, ours = managers
+    expected = outcome(lambda: call(theirs, {k: v[0] for k, v in requests.items()}))
+    got = outcome(lambda: call(ours, {k: v[1] for k, v in requests.items()}))
+    assert expected == got
+    for req_id in requests:
+        assert ours.get_block_ids(req_id) == theirs.get_block_ids(req_id), req_id
+    assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks()
+    return got
+
+
+def pair(req_id: str, num_tokens: int) -> tuple[Request, Request]:
+    return make_request(req_id, num_tokens), make_request(req_id, num_tokens)
+
+
+def cache_blocks(m: Manager, r: dict[str, Request], *, count: int) -> None:
+    m.cache_blocks(r["r"], count)
+
+
+def block_ids_for_computed_tokens(m: Manager, _: object, *, tokens: int) -> Any:
+    return m.get_block_ids_for_computed_tokens("r", tokens)
+
+
+def num_blocks_to_allocate(m: Manager, _: object, *, tokens: int) -> int:
+    no_hits = KVCacheBlocks(([],)).blocks
+    return m.coordinator.get_num_blocks_to_allocate("r", tokens, no_hits, 0, 0, 0, 0)
+
+
+def test_a_negative_cache_blocks_count_does_nothing() -> None:
+    # vLLM's async spec-decode path passes num_computed_tokens - num_in_flight_tokens,
+    # which can be -1: vLLM's floor division caches nothing.
+    managers = twins()
+    reqs = {"r": pair("r", 10)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 10, delay_cache_blocks=True))
+    for count in (-1, -5, -(2**40)):
+        same(managers, reqs, partial(cache_blocks, count=count))
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == [1, 2, 3]
+    same(managers, reqs, lambda m, r: m.cache_blocks(r["r"], 8))
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == [3]
+
+
+def test_cache_blocks_past_the_table_caches_what_is_there_and_counts_the_rest() -> None:
+    managers = twins()
+    reqs = {"r": pair("r", 17), "s": pair("s", 17)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 8, delay_cache_blocks=True))
+    same(managers, reqs, lambda m, r: m.cache_blocks(r["r"], 17))
+    for req in reqs["r"]:
+        req.num_computed_tokens = 8
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 9))
+    # vLLM counted blocks 2 and 3 as cached though it had not allocated them yet.
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == [3, 4, 5]
+    same(managers, reqs, lambda m, r: m.get_computed_blocks(r["s"]))
+    # A request vLLM has never seen: nothing cached, the count remembered.
+    same(managers, reqs, lambda m, r: m.cache_blocks(r["s"], 17))
+    same(managers, reqs, lambda m, r: m.free(r["s"]))
+
+
+def test_odd_allocate_slots_counts_are_taken_as_vllm_takes_them() -> None:
+    managers = twins()
+    reqs = {"r": pair("r", 10)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 0))
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], -3))
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 6, num_lookahead_tokens=-2))
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 2, reserved_blocks=-4))
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 2, num_encoder_tokens=7))
+    same(
+        managers,
+        reqs,
+        lambda m, r: m.allocate_slots(r["r"], 2, num_external_computed_tokens=-5),
+    )
+
+
+def test_odd_lookups_and_slices_are_taken_as_vllm_takes_them() -> None:
+    managers = twins()
+    reqs = {"r": pair("r", 13), "e": pair("e", 0)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 13))
+    for tokens in (-9, -5, -4, -1, 0, 1, 5, 99):
+        same(managers, reqs, partial(block_ids_for_computed_tokens, tokens=tokens))
+    same(managers, reqs, lambda m, r: m.get_computed_blocks(r["e"]))
+    same(managers, reqs, lambda m, r: m.get_computed_blocks(r["r"], -1))
+    same(managers, reqs, lambda m, r: m.get_computed_blocks(r["r"], 10**6))
+    for tokens in (-9, 0, 3, 64):
+        same(managers, reqs, partial(num_blocks_to_allocate, tokens=tokens))
+
+
+def test_evicting_odd_block_ids_fails_or_wraps_as_vllm_does() -> None:
+    managers = twins()
+    reqs = {"r": pair("r", 13)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 13))
+    same(managers, reqs, lambda m, _: m.evict_blocks({16}))
+    same(managers, reqs, lambda m, _: m.evict_blocks({-16}))
+    same(managers, reqs, lambda m, _: m.evict_blocks({-17}))
+    # -15 is block 1 from the end of the list: its hash goes.
+    same(managers, reqs, lambda m, _: m.evict_blocks({-15}))
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == [1, 4]
+
+
+@pytest.mark.parametrize("log_stats", [False, True])
+def test_prefix_cache_stats_is_vllms_attribute(log_stats: bool) -> None:
+    theirs, ours = twins(log_stats=log_stats)
+    if not log_stats:
+        assert theirs.prefix_cache_stats is None
+        assert ours.prefix_cache_stats is None
+        return
+    for m in (theirs, ours):
+        r = make_request("r", 9)
+        m.record_prefix_cache_stats(r, 4)
+        m.record_prefix_cache_stats(r, -2)  # vLLM adds what it is given
+    for m in (theirs, ours):
+        m.allocate_slots(make_request("x", 3), 3)
+        m.free(make_request("x", 3))
+        assert m.reset_prefix_cache()
+    assert ours.prefix_cache_stats == theirs.prefix_cache_stats
+    assert ours.make_prefix_cache_stats() == theirs.make_prefix_cache_stats()
+    assert ours.prefix_cache_stats == theirs.prefix_cache_stats
+    assert ours.prefix_cache_stats is not None
+    assert ours.prefix_cache_stats.requests == 0
+
+
+def test_a_negative_watermark_fails_as_vllms_assert() -> None:
+    for cls in (VllmKVCacheManager, KVCacheManager):
+        with pytest.raises(AssertionError):
+            cls(
+                kv_cache_config=harness.build_kv_cache_config(16, BLOCK_SIZE),
+                max_model_len=256,
+                scheduler_block_size=BLOCK_SIZE,
+                hash_block_size=BLOCK_SIZE,
+                watermark=-0.5,
+            )
