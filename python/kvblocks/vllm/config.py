@@ -1,5 +1,6 @@
 """The arguments vLLM 0.33.0's Scheduler builds its ``KVCacheManager`` with, and which
-configurations kvblocks manages: exactly one plain full-attention KV cache group."""
+configurations kvblocks manages: exactly one full-attention KV cache group (plain, or
+promoted from sliding-window or chunked-local layers)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ class ManagerArgs:
             return f"{len(groups)} KV cache groups (kvblocks manages exactly one)"
         group = groups[0]
         spec = group.kv_cache_spec
+        # A full-attention spec with `sliding_window` or `attention_chunk_size` set is
+        # what vLLM promotes local layers to with the hybrid manager off: its manager is
+        # plain full attention, and so is kvblocks'.
         if not isinstance(spec, FullAttentionSpec) or type(spec) not in FULL_ATTENTION_SPECS:
             return f"KV cache spec {type(spec).__name__} is not plain full attention"
-        if spec.sliding_window is not None or spec.attention_chunk_size is not None:
-            return f"KV cache spec {type(spec).__name__} has a sliding window or chunked attention"
         if group.role != KVCacheGroupRole.DEFAULT or group.is_eagle_group:
             return f"KV cache group role {group.role.value} (eagle group: {group.is_eagle_group})"
         if self.kv_cache_config.needs_kv_cache_zeroing:
