@@ -213,3 +213,28 @@ def test_a_negative_watermark_fails_as_vllms_assert() -> None:
                 hash_block_size=BLOCK_SIZE,
                 watermark=-0.5,
             )
+
+
+def test_adopting_into_a_held_table_asserts_after_the_capacity_check() -> None:
+    # Caching off: vLLM never counts the request as running, so external tokens make it
+    # adopt; no room returns None first, room reaches vLLM's assert.
+    managers = twins(enable_caching=False, kv_cache_config=harness.build_kv_cache_config(3, 4))
+    reqs = {"r": pair("r", 12)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 4))
+    no_room = same(
+        managers, reqs, lambda m, r: m.allocate_slots(r["r"], 8, num_external_computed_tokens=4)
+    )
+    assert no_room is None
+    room = same(
+        managers, reqs, lambda m, r: m.allocate_slots(r["r"], 1, num_external_computed_tokens=1)
+    )
+    assert room == Raised(AssertionError)
+
+
+def test_caching_past_the_table_with_events_fails_as_vllm_does() -> None:
+    managers = twins(enable_kv_cache_events=True)
+    reqs = {"r": pair("r", 17)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 8, delay_cache_blocks=True))
+    assert same(managers, reqs, lambda m, r: m.cache_blocks(r["r"], 17)) == Raised(IndexError)
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == []
+    assert managers[1].take_events() == managers[0].take_events() == []

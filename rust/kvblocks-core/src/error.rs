@@ -21,6 +21,8 @@ pub enum ErrorKind {
     Invariant,
     /// `AssertionError`: what vLLM asserts, refused as vLLM does (vLLM callers only).
     Assertion,
+    /// `IndexError`: where vLLM's code indexes past a list (vLLM callers only).
+    Index,
 }
 
 /// Everything a core call can refuse. A call that returns an error changed nothing.
@@ -56,6 +58,9 @@ pub enum Error {
     /// An argument vLLM's own manager refuses with an `assert`, given by a caller
     /// that asked for vLLM's tolerance ([`crate::manager::Tolerance::Vllm`]).
     Assertion(String),
+    /// Where vLLM's own code indexes past the end of a list, for a caller that asked
+    /// for vLLM's tolerance.
+    Index(String),
 }
 
 impl Error {
@@ -74,6 +79,7 @@ impl Error {
             Self::UnsupportedLayout(_) => ErrorKind::UnsupportedLayout,
             Self::Invariant(_) => ErrorKind::Invariant,
             Self::Assertion(_) => ErrorKind::Assertion,
+            Self::Index(_) => ErrorKind::Index,
         }
     }
 }
@@ -116,7 +122,8 @@ impl fmt::Display for Error {
             Self::InvalidArgument(msg)
             | Self::UnsupportedLayout(msg)
             | Self::Invariant(msg)
-            | Self::Assertion(msg) => f.write_str(msg),
+            | Self::Assertion(msg)
+            | Self::Index(msg) => f.write_str(msg),
         }
     }
 }

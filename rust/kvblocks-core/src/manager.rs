@@ -390,7 +390,12 @@ impl KVCacheManager {
         let hits = self.check_hits(args.new_computed_blocks)?;
         let id = request.request_id;
         let state = self.requests.get(id);
-        let adopts = self.check_adoption(id, state, &hits, counts.num_external)?;
+        // vLLM asserts against adopting only after its capacity checks, which may
+        // return None first; the library refuses before.
+        let adoption = self.check_adoption(id, state, &hits, counts.num_external);
+        if self.strict() || (adoption.is_err() && state.is_some_and(|s| s.num_cached.is_some())) {
+            adoption.clone()?;
+        }
         let held = state.map_or(0, |s| s.blocks.len());
         let required = counts.required;
         let to_allocate = self.blocks_to_take(held, &hits);
@@ -411,6 +416,7 @@ impl KVCacheManager {
         if i128::from(signed(to_allocate(required).saturating_add(watermark))) > available {
             return Ok(None);
         }
+        let adopts = adoption?;
 
         // Everything the caching step needs is fetched and checked before mutating.
         // An adopting request holds nothing yet, another adopts no hits.
@@ -519,6 +525,15 @@ impl KVCacheManager {
         }
         let tokens = full.saturating_mul(self.block_size);
         let plan = self.plan_caching(request, blocks, num_cached, tokens, blocks.len())?;
+        if full > blocks.len() && self.pool.events().is_enabled() {
+            // vLLM caches the blocks there, then fails indexing the missing ones for
+            // its BlockStored event: nothing recorded, the count not updated.
+            if let Some(plan) = &plan {
+                let to_cache = blocks.get(plan.range.clone()).unwrap_or_default();
+                self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
+            }
+            return Err(Error::Index("list index out of range".to_owned()));
+        }
         if let Some(plan) = &plan {
             let Some(to_cache) = blocks.get(plan.range.clone()) else {
                 return Err(Error::TooManyFullBlocks {

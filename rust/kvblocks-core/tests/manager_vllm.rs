@@ -538,3 +538,48 @@ fn vllm_lookups_and_slices_follow_pythons_arithmetic() {
     let stats = mgr.make_prefix_cache_stats().unwrap();
     assert_eq!((stats.requests, stats.queries, stats.hits), (1, 13, -2));
 }
+
+#[test]
+fn vllm_asserts_against_adopting_only_after_its_capacity_checks() {
+    // Caching off, so r holds blocks without a cached count. External tokens for it:
+    // vLLM first finds no room (returns None), and asserts only when there is room.
+    let s = source(12);
+    let mut mgr = KVCacheManager::new(3, BS, false, Some(1024), false).unwrap();
+    mgr.set_tolerance(Tolerance::Vllm);
+    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(4))
+        .unwrap();
+    let external = SlotRequest {
+        num_external_computed_tokens: 4,
+        ..new_tokens(8)
+    };
+    // cdiv(4 + 4 + 8, 4) - 1 = 3 blocks wanted, 1 free.
+    assert_eq!(mgr.allocate_slots(&view("r", 4, &s), &external), Ok(None));
+    let small = SlotRequest {
+        num_external_computed_tokens: 1,
+        ..new_tokens(1)
+    };
+    assert!(matches!(
+        mgr.allocate_slots(&view("r", 2, &s), &small),
+        Err(Error::Assertion(_))
+    ));
+}
+
+#[test]
+fn caching_past_the_table_with_events_fails_where_vllm_indexes() {
+    // vLLM caches the blocks the table has, then indexes blocks[i] past its end while
+    // building the BlockStored event: IndexError, no event, the count unchanged.
+    let s = source(17);
+    let mut mgr = vllm_manager(8);
+    mgr.enable_kv_cache_events(false);
+    let delayed = SlotRequest {
+        delay_cache_blocks: true,
+        ..new_tokens(8)
+    };
+    mgr.allocate_slots(&view("r", 0, &s), &delayed).unwrap();
+    assert!(matches!(
+        mgr.cache_blocks(&view("r", 0, &s), 17),
+        Err(Error::Index(_))
+    ));
+    assert_eq!(mgr.estimate_cached_tokens("r"), 8);
+    assert!(mgr.events().is_empty());
+}

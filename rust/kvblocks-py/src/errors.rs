@@ -5,7 +5,7 @@
 //! reference reproduces word for word.
 
 use kvblocks_core::{Error, ErrorKind};
-use pyo3::exceptions::{PyAssertionError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyIndexError, PyValueError};
 use pyo3::PyErr;
 
 pyo3::import_exception!(kvblocks.errors, NoFreeBlocksError);
@@ -25,6 +25,7 @@ pub fn to_py(err: &Error) -> PyErr {
         ErrorKind::UnsupportedLayout => UnsupportedLayoutError::new_err(msg),
         ErrorKind::Invariant => InvariantError::new_err(msg),
         ErrorKind::Assertion => PyAssertionError::new_err(msg),
+        ErrorKind::Index => PyIndexError::new_err(msg),
     }
 }
 
