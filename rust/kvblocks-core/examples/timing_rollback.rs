@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvblocks_core::manager::Tolerance;
 use kvblocks_core::rollback::{rollback_invalid_blocks, Batch, BlockIds, Mode, Rollback};
 
 #[path = "../tests/common/mod.rs"]
@@ -48,7 +49,7 @@ fn best_time(
     for _ in 0..7 {
         let start = Instant::now();
         result = std::hint::black_box(
-            rollback_invalid_blocks(batch, invalid, 16, collect, mode)
+            rollback_invalid_blocks(batch, invalid, 16, collect, mode, Tolerance::Strict)
                 .unwrap_or_else(|e| panic!("{e}")),
         );
         best = best.min(start.elapsed());

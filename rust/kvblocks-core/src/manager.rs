@@ -218,6 +218,11 @@ impl KVCacheManager {
         self.tolerance = tolerance;
     }
 
+    /// What the manager does with arguments outside the documented domain.
+    pub fn tolerance(&self) -> Tolerance {
+        self.tolerance
+    }
+
     /// Whether arguments outside the documented domain are refused.
     fn strict(&self) -> bool {
         self.tolerance == Tolerance::Strict

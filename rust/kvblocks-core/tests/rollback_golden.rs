@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::PathBuf;
 
+use kvblocks_core::manager::Tolerance;
 use kvblocks_core::rollback::{
     check_single_group, handle_invalid_blocks, rollback_invalid_blocks, Batch, BlockIds, Mode,
     Policy, Rollback, MULTIPLE_GROUPS_MESSAGE,
@@ -142,6 +143,7 @@ fn rollback_golden_vectors_replay_exactly_for_every_table_type() {
                 block_size,
                 collect,
                 Mode::Vllm,
+                Tolerance::Strict,
             )
             .unwrap_or_else(|e| panic!("rollback.jsonl:{line}: {e}"))
         };
@@ -181,6 +183,7 @@ fn rollback_golden_vectors_replay_exactly_for_every_table_type() {
             block_size,
             collect,
             Mode::Vllm,
+            Tolerance::Strict,
         );
         assert_eq!(
             direct.as_ref().ok(),
@@ -240,6 +243,7 @@ fn handle_invalid_golden_vectors_replay_exactly() {
                 int(&case["block_size"]),
                 policy,
                 Mode::Vllm,
+                Tolerance::Strict,
             )
         });
         if let Some(error) = expect.get("error") {
@@ -337,6 +341,7 @@ fn handle_invalid_golden_vectors_agree_with_two_rollback_passes() {
                 block_size,
                 collect,
                 Mode::Vllm,
+                Tolerance::Strict,
             )
             .unwrap_or_else(|e| panic!("handle_invalid.jsonl:{line}: {e}"));
             for &i in &pass.affected {

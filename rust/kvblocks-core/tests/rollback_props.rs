@@ -8,6 +8,7 @@
 
 use std::collections::HashSet;
 
+use kvblocks_core::manager::Tolerance;
 use kvblocks_core::rollback::{
     check_single_group, handle_failed_recving, handle_invalid_blocks, rollback_invalid_blocks,
     Batch, Mode, Pass, Policy, Rollback, RollbackTarget, MULTIPLE_GROUPS_MESSAGE,
@@ -68,8 +69,15 @@ impl Case {
             num_computed_tokens: &self.computed,
             num_scheduled_tokens: &self.scheduled,
         };
-        rollback_invalid_blocks(batch, &self.invalid, self.block_size, self.collect, mode)
-            .unwrap_or_else(|e| panic!("valid case refused: {e}"))
+        rollback_invalid_blocks(
+            batch,
+            &self.invalid,
+            self.block_size,
+            self.collect,
+            mode,
+            Tolerance::Strict,
+        )
+        .unwrap_or_else(|e| panic!("valid case refused: {e}"))
     }
 }
 
@@ -235,7 +243,7 @@ proptest! {
             num_computed_tokens: &computed,
             num_scheduled_tokens: &scheduled,
         };
-        let got = rollback_invalid_blocks(batch, &invalid, block_size, true, Mode::Vllm);
+        let got = rollback_invalid_blocks(batch, &invalid, block_size, true, Mode::Vllm, Tolerance::Strict);
         prop_assert_eq!(got.err(), expected_error(&tables, &computed, &scheduled, &invalid, block_size));
     }
 
@@ -258,7 +266,7 @@ proptest! {
         let out = handle_invalid_blocks(
             Batch { block_tables: &w.tables, num_computed_tokens: &w.computed, num_scheduled_tokens: &w.scheduled },
             Batch { block_tables: &as_u32(&r.tables), num_computed_tokens: &r.computed, num_scheduled_tokens: &r.scheduled },
-            &w.invalid, w.block_size, policy, mode,
+            &w.invalid, w.block_size, policy, mode, Tolerance::Strict,
         ).unwrap_or_else(|e| panic!("valid case refused: {e}"));
         let waiting = Case { collect: false, ..w.clone() }.run(&w.tables, mode);
         // The running pass collects evictions only when the outcome has any.
@@ -364,7 +372,14 @@ fn absurdly_large_ids_use_the_hash_set_and_stay_exact() {
         num_computed_tokens: &[3, 3, 2],
         num_scheduled_tokens: &[0, 0, 0],
     };
-    let got = rollback_invalid_blocks(batch, &[big + 1, 1 << 26, 9], 1, true, Mode::Vllm);
+    let got = rollback_invalid_blocks(
+        batch,
+        &[big + 1, 1 << 26, 9],
+        1,
+        true,
+        Mode::Vllm,
+        Tolerance::Strict,
+    );
     // Request 1's only scanned invalid block was marked by request 0: it reverts to its
     // pre-step count (3, nothing scheduled) and collects nothing.
     let expected = Rollback {
@@ -387,7 +402,7 @@ fn a_deeper_shared_block_marked_after_truncation_does_not_truncate_later_request
         num_computed_tokens: &[8, 6],
         num_scheduled_tokens: &[2, 2],
     };
-    let vllm = rollback_invalid_blocks(batch, &[10, 20], 2, true, Mode::Vllm);
+    let vllm = rollback_invalid_blocks(batch, &[10, 20], 2, true, Mode::Vllm, Tolerance::Strict);
     assert_eq!(
         vllm,
         Ok(Rollback {
@@ -403,7 +418,8 @@ fn a_deeper_shared_block_marked_after_truncation_does_not_truncate_later_request
         vllm.as_ref().unwrap().eviction_sequence(&tables),
         [10, 20, 2]
     );
-    let strict = rollback_invalid_blocks(batch, &[10, 20], 2, true, Mode::Strict);
+    let strict =
+        rollback_invalid_blocks(batch, &[10, 20], 2, true, Mode::Strict, Tolerance::Strict);
     assert_eq!(
         strict,
         Ok(Rollback {
@@ -470,6 +486,7 @@ fn one_waiting_one_running(
         4,
         policy,
         Mode::Vllm,
+        Tolerance::Strict,
     )
     .unwrap();
     (out, running)
@@ -565,4 +582,33 @@ fn failed_recving_under_fail_writes_nothing_and_refuses_negative_counts() {
     );
     assert_eq!(err, Err(Error::InvalidArgument("b".into())));
     assert!(target.log.is_empty());
+}
+
+#[test]
+fn vllms_scheduler_gets_vllms_scan_of_counts_the_library_refuses() {
+    // vLLM's async scheduling with spec decode can leave num_computed_tokens below the
+    // tokens scheduled: before = 9 - 10 = -1, range(cdiv(-1, 4)) is empty, so the
+    // request is not scanned. A table shorter than cdiv(before, bs) is scanned to its end.
+    let tables: [&[i64]; 3] = [&[7, 8], &[1, 7], &[5]];
+    let batch = Batch {
+        block_tables: &tables,
+        num_computed_tokens: &[9, 8, 12],
+        num_scheduled_tokens: &[10, 0, 0],
+    };
+    let strict = rollback_invalid_blocks(batch, &[7, 5], 4, true, Mode::Vllm, Tolerance::Strict);
+    assert!(
+        matches!(strict, Err(Error::InvalidArgument(_))),
+        "{strict:?}"
+    );
+    let vllm = rollback_invalid_blocks(batch, &[7, 5], 4, true, Mode::Vllm, Tolerance::Vllm);
+    assert_eq!(
+        vllm,
+        Ok(Rollback {
+            num_computed_tokens: vec![9, 4, 0],
+            affected: vec![1, 2],
+            total_affected_tokens: 4 + 12,
+            blocks_to_evict: vec![5, 7],
+            eviction_tails: vec![(1, 1), (2, 0)],
+        })
+    );
 }

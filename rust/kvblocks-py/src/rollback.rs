@@ -11,6 +11,7 @@
 
 use std::collections::HashSet;
 
+use kvblocks_core::manager::Tolerance;
 use kvblocks_core::rollback::{
     self, Batch, BlockIds, Mode, Pass, Policy, Rollback, RollbackTarget,
 };
@@ -309,9 +310,16 @@ pub fn rollback_invalid_blocks(
         num_computed_tokens: &computed,
         num_scheduled_tokens: &scheduled,
     };
-    rollback::rollback_invalid_blocks(batch, &invalid, block_size, collect_evictions.0, mode)
-        .py()
-        .map(PyRollbackResult::from)
+    rollback::rollback_invalid_blocks(
+        batch,
+        &invalid,
+        block_size,
+        collect_evictions.0,
+        mode,
+        Tolerance::Strict,
+    )
+    .py()
+    .map(PyRollbackResult::from)
 }
 
 /// The error for a request given twice in one call (its id shown as Python's `repr`).
@@ -493,6 +501,11 @@ impl Tables<'_> {
     }
 }
 
+/// The manager's tolerance: vLLM's for the manager built for vLLM's scheduler.
+fn tolerance(native: Option<&PyKVCacheManager>) -> Tolerance {
+    native.map_or(Tolerance::Strict, |m| m.inner.tolerance())
+}
+
 fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
     match manager.getattr_opt("num_kv_cache_groups")? {
         Some(n) => n.extract(),
@@ -538,9 +551,15 @@ pub fn update_requests_with_invalid_blocks<'py>(
         num_computed_tokens: &cols.computed,
         num_scheduled_tokens: &cols.scheduled,
     };
-    let result =
-        rollback::rollback_invalid_blocks(batch, &invalid, block_size, evict_blocks.0, mode)
-            .py()?;
+    let result = rollback::rollback_invalid_blocks(
+        batch,
+        &invalid,
+        block_size,
+        evict_blocks.0,
+        mode,
+        tolerance(native.as_deref()),
+    )
+    .py()?;
     let sequence = result.eviction_sequence(&ids);
     drop(native);
     let to_evict = ordered_set(py, sequence.iter().copied())?;
@@ -616,6 +635,7 @@ pub fn handle_invalid_blocks<'py>(
         block_size,
         policy,
         mode,
+        tolerance(native.as_deref()),
     )
     .py()?;
     let sequence = outcome.eviction_sequence(&sync_ids);

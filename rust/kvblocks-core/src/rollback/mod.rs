@@ -37,6 +37,7 @@ pub use apply::{handle_failed_recving, FailedRecving, Pass, RollbackTarget};
 use id_set::{Filter, IdSet};
 
 use crate::error::{positive, Error, Result};
+use crate::manager::Tolerance;
 
 /// vLLM's message when block-level failures meet a model with several KV cache groups.
 pub const MULTIPLE_GROUPS_MESSAGE: &str = "A KV connector reported block-level load failures \
@@ -253,14 +254,19 @@ impl Rollback {
 ///   computed, or a table shorter than the `cdiv(before, block_size)` blocks it must
 ///   cover (vLLM would silently stop at its end);
 /// * [`Error::InvalidArgument`] — the first negative id in the first table holding one.
+///
+/// With [`Tolerance::Vllm`] (vLLM's scheduler is the caller) only the first two: vLLM
+/// scans what it is given, no block for a request whose count before this step is not
+/// positive, and at most its table.
 pub fn rollback_invalid_blocks<B: BlockTable>(
     batch: Batch<'_, B>,
     invalid_block_ids: &[i64],
     block_size: i64,
     collect_evictions: bool,
     mode: Mode,
+    tolerance: Tolerance,
 ) -> Result<Rollback> {
-    let block_size = validate(batch, invalid_block_ids, block_size)?;
+    let block_size = validate(batch, invalid_block_ids, block_size, tolerance)?;
     let keys: Vec<u64> = invalid_block_ids.iter().map(|&id| id.key()).collect();
     let invalid = IdSet::from_ids(&keys);
     // `marked` is a subset of the invalid ids: sized like them, it never regrows, and
@@ -273,6 +279,7 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
         marked: IdSet::covering(if mode == Mode::Vllm { max_invalid } else { 0 }),
         evictions: collect_evictions.then(IdSet::default),
         strict: mode == Mode::Strict,
+        check_signs: tolerance == Tolerance::Strict,
     };
     let mut out = Rollback {
         num_computed_tokens: batch.num_computed_tokens.to_vec(),
@@ -284,9 +291,10 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
         .zip(batch.num_computed_tokens)
         .zip(batch.num_scheduled_tokens);
     for (i, ((table, &computed), &scheduled)) in requests.enumerate() {
-        // Validated: 0 <= scheduled <= computed.
-        let before = computed - scheduled;
-        let num_blocks = scanned_blocks(before, block_size);
+        // Strict: validated, 0 <= scheduled <= computed. vLLM: a count at or below zero
+        // scans no block (`range(cdiv(before, block_size))` is empty).
+        let before = computed.saturating_sub(scheduled);
+        let num_blocks = scanned_blocks(before.max(0), block_size);
         let outcome = match table.block_ids() {
             BlockIds::I64(ids) => scanner.scan(i, ids, num_blocks)?,
             BlockIds::I32(ids) => scanner.scan(i, ids, num_blocks)?,
@@ -433,10 +441,11 @@ pub fn handle_invalid_blocks<W: BlockTable, R: BlockTable>(
     block_size: i64,
     policy: Policy,
     mode: Mode,
+    tolerance: Tolerance,
 ) -> Result<InvalidBlocksOutcome> {
-    let waiting = rollback_invalid_blocks(waiting, invalid_block_ids, block_size, false, mode)?;
-    let collect = evicts(policy, mode);
-    let running = rollback_invalid_blocks(running, invalid_block_ids, block_size, collect, mode)?;
+    let (ids, collect) = (invalid_block_ids, evicts(policy, mode));
+    let waiting = rollback_invalid_blocks(waiting, ids, block_size, false, mode, tolerance)?;
+    let running = rollback_invalid_blocks(running, ids, block_size, collect, mode, tolerance)?;
     Ok(InvalidBlocksOutcome {
         waiting,
         running,
@@ -446,11 +455,13 @@ pub fn handle_invalid_blocks<W: BlockTable, R: BlockTable>(
 }
 
 /// Every check of [`rollback_invalid_blocks`] that needs no table contents; returns the
-/// block size as `u64`.
+/// block size as `u64`. vLLM's scheduler gets only the checks its columns could fail
+/// (they are built from its own requests): vLLM scans what it is given.
 fn validate<B: BlockTable>(
     batch: Batch<'_, B>,
     invalid_block_ids: &[i64],
     block_size: i64,
+    tolerance: Tolerance,
 ) -> Result<u64> {
     let block_size_u64 = positive("block_size", block_size)? as u64;
     let (n_tables, n_computed, n_scheduled) = (
@@ -463,6 +474,9 @@ fn validate<B: BlockTable>(
             "block_tables, num_computed_tokens and num_scheduled_tokens must have the same \
              length, got {n_tables}, {n_computed} and {n_scheduled}"
         )));
+    }
+    if tolerance == Tolerance::Vllm {
+        return Ok(block_size_u64);
     }
     if let Some(&min) = invalid_block_ids.iter().min() {
         if min < 0 {
@@ -534,6 +548,8 @@ struct Scanner<'a> {
     /// Blocks to evict, when collecting.
     evictions: Option<IdSet>,
     strict: bool,
+    /// Whether a negative id in a table is refused (vLLM's tables never hold one).
+    check_signs: bool,
 }
 
 impl Scanner<'_> {
@@ -548,7 +564,7 @@ impl Scanner<'_> {
             .iter()
             .skip(examined)
             .fold(keys, |acc, &id| acc | id.key());
-        if keys & NEGATIVE != 0 {
+        if self.check_signs && keys & NEGATIVE != 0 {
             let (j, id) = ids
                 .iter()
                 .enumerate()
