@@ -31,6 +31,7 @@ from kvblocks.vllm.scheduler import (  # noqa: E402
     KVBlocksAsyncScheduler,
     KVBlocksScheduler,
     rollback_mode,
+    with_kvblocks,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "rollback_mode",
     "uninstall",
     "unsupported_reason",
+    "with_kvblocks",
 ]

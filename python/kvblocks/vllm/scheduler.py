@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's ``Scheduler`` and ``AsyncScheduler`` with kvblocks' KV cache manager.
+"""vLLM 0.33.0's ``Scheduler`` and ``AsyncScheduler``, or any subclass of them, with
+kvblocks' KV cache manager.
 
 The manager is built *during* ``super().__init__()``: the scheduler module's
 ``KVCacheManager`` name is bound to kvblocks' factory for that call only, so everything
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import types
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -26,7 +28,7 @@ from kvblocks.constants import ROLLBACK_MODES, either
 from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
 from kvblocks.vllm.manager import KVCacheManager
 
-__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode"]
+__all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode", "with_kvblocks"]
 
 # vLLM's own scheduler logger: the rollback's lines are vLLM's, word for word.
 logger = logging.getLogger(scheduler_module.__name__)
@@ -46,9 +48,10 @@ def rollback_mode() -> str:
     return mode
 
 
-class _KVBlocksScheduling:
-    """What both scheduler classes add to vLLM's: the manager swap at construction and
-    the native rollback. Listed first among the bases, so its methods win."""
+class KVBlocksScheduling:
+    """What kvblocks adds to a vLLM scheduler class: the manager swap at construction
+    and the native rollback. Listed first among the bases (:func:`with_kvblocks` does
+    that), so its methods win over the scheduler's."""
 
     kv_cache_manager: Any
     running: list[Request]
@@ -136,11 +139,63 @@ class _KVBlocksScheduling:
         return rescheduled
 
 
-class KVBlocksScheduler(_KVBlocksScheduling, Scheduler):
+class KVBlocksScheduler(KVBlocksScheduling, Scheduler):
     """vLLM's ``Scheduler`` (async scheduling off) with kvblocks' KV cache manager:
-    ``--scheduler-cls kvblocks.vllm.KVBlocksScheduler``."""
+    ``--scheduler-cls kvblocks.vllm.KVBlocksScheduler``; ``with_kvblocks(Scheduler)``."""
 
 
-class KVBlocksAsyncScheduler(_KVBlocksScheduling, AsyncScheduler):
-    """vLLM's ``AsyncScheduler`` (async scheduling on) with kvblocks' KV cache manager:
-    ``--scheduler-cls kvblocks.vllm.KVBlocksAsyncScheduler``."""
+class KVBlocksAsyncScheduler(KVBlocksScheduling, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (async scheduling on, vLLM's default on GPUs) with
+    kvblocks' KV cache manager: ``--scheduler-cls kvblocks.vllm.KVBlocksAsyncScheduler``;
+    ``with_kvblocks(AsyncScheduler)``."""
+
+
+#: The classes :func:`with_kvblocks` made, by base; vLLM's two are written out above so
+#: that they are importable, picklable and typed as classes.
+_made: dict[type[Scheduler], type[Scheduler]] = {
+    Scheduler: KVBlocksScheduler,
+    AsyncScheduler: KVBlocksAsyncScheduler,
+}
+_made_lock = threading.Lock()
+
+
+def with_kvblocks(base: type[Scheduler]) -> type[Scheduler]:
+    """``base`` (vLLM's ``Scheduler``, ``AsyncScheduler`` or any subclass of either,
+    such as NVIDIA Dynamo's ``InstrumentedScheduler``) with kvblocks' KV cache manager
+    and native rollback: the class ``KVBlocks<base name>``, whose bases are
+    :class:`KVBlocksScheduling` and ``base``. The same base always gives the same class,
+    and a class that has them already is returned as it is.
+
+    ``--scheduler-cls`` takes a dotted name: bind the result to a name in a module of
+    your own::
+
+        # my_schedulers.py
+        from dynamo.vllm.instrumented_scheduler import InstrumentedScheduler
+        from kvblocks.vllm import with_kvblocks
+
+        KVBlocksInstrumentedScheduler = with_kvblocks(InstrumentedScheduler)
+
+    then ``--scheduler-cls my_schedulers.KVBlocksInstrumentedScheduler``.
+
+    Raises:
+        TypeError: ``base`` is not a subclass of vLLM's ``Scheduler``.
+    """
+    if not (isinstance(base, type) and issubclass(base, Scheduler)):
+        raise TypeError(f"with_kvblocks needs a subclass of vLLM's Scheduler, got {base!r}")
+    if issubclass(base, KVBlocksScheduling):
+        return base
+    with _made_lock:
+        made = _made.get(base)
+        if made is None:
+            name = f"KVBlocks{base.__name__}"
+            body = {
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"``{base.__module__}.{base.__qualname__}`` with kvblocks' KV "
+                "cache manager.",
+            }
+            made = types.new_class(
+                name, (KVBlocksScheduling, base), exec_body=lambda ns: ns.update(body)
+            )
+            _made[base] = made
+        return made
