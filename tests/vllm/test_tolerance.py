@@ -238,3 +238,21 @@ def test_caching_past_the_table_with_events_fails_as_vllm_does() -> None:
     assert same(managers, reqs, lambda m, r: m.cache_blocks(r["r"], 17)) == Raised(IndexError)
     assert managers[1].get_blocks("r").get_unhashed_block_ids() == []
     assert managers[1].take_events() == managers[0].take_events() == []
+
+
+def test_truncating_a_lookup_asserts_and_slices_as_vllm_does() -> None:
+    managers = twins()
+    reqs = {"r": pair("r", 13), "s": pair("s", 13)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 13))
+    hits = {id(m): m.get_computed_blocks(r)[0] for m, r in zip(managers, reqs["s"], strict=True)}
+    # 12 tokens hit: blocks 1, 2 and 3. -4 tokens is Python's [:-1].
+    for tokens, kept in ((8, [1, 2]), (0, []), (-4, [1, 2]), (12, [1, 2, 3])):
+        got = same(managers, reqs, partial(truncate_computed_blocks, hits=hits, tokens=tokens))
+        assert got == (kept,), tokens
+    for tokens in (6, 16):
+        got = same(managers, reqs, partial(truncate_computed_blocks, hits=hits, tokens=tokens))
+        assert got == Raised(AssertionError), tokens
+
+
+def truncate_computed_blocks(m: Manager, _: object, *, hits: dict[int, Any], tokens: int) -> Any:
+    return m.truncate_computed_blocks(hits[id(m)], tokens)

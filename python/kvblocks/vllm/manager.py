@@ -282,12 +282,6 @@ class KVCacheManager(VllmKVCacheManager):
         """``get_computed_blocks`` plus ``hit_diverged`` (never, with one group)."""
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
-    def truncate_computed_blocks(
-        self, blocks: KVCacheBlocks, num_computed_tokens: int
-    ) -> KVCacheBlocks:
-        """The first ``num_computed_tokens`` tokens' blocks of a lookup result."""
-        return blocks.head(num_computed_tokens // self.block_size)
-
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:  # type: ignore[override]
         """The prefix-cache stats since the last call (then reset), or None."""
         return to_prefix_cache_stats(self.take_prefix_cache_counters())

@@ -145,6 +145,18 @@ fn full_blocks_in(tokens: i64, block_size: usize) -> usize {
     usize::try_from(tokens).map_or(0, |t| t / block_size)
 }
 
+/// Where Python's `items[:end]` ends in a list of `len` items: a negative `end` counts
+/// from the end.
+fn slice_end(end: i64, len: usize) -> usize {
+    let len_signed = signed(len);
+    let end = if end < 0 {
+        len_signed.saturating_add(end)
+    } else {
+        end
+    };
+    usize::try_from(end.clamp(0, len_signed)).unwrap_or(0)
+}
+
 /// A token count as vLLM's signed int (counts here never reach `i64::MAX`).
 fn signed(tokens: usize) -> i64 {
     i64::try_from(tokens).unwrap_or(i64::MAX)
@@ -670,15 +682,33 @@ impl KVCacheManager {
         let table = self.get_block_ids(request_id);
         let size = signed(self.block_size);
         // Python's ceiling division: -(-n // size).
-        let end = num_computed_tokens.div_euclid(size)
+        let blocks = num_computed_tokens.div_euclid(size)
             + i64::from(num_computed_tokens.rem_euclid(size) != 0);
-        let len = signed(table.len());
-        let end = if end < 0 {
-            (len + end).max(0)
-        } else {
-            end.min(len)
-        };
-        &table[..usize::try_from(end).unwrap_or(0)]
+        &table[..slice_end(blocks, table.len())]
+    }
+
+    /// How many of a lookup's `num_hits` blocks cover its first `num_computed_tokens`
+    /// tokens (vLLM's `truncate_computed_blocks`: `blocks[:num_computed_tokens //
+    /// block_size]`).
+    ///
+    /// # Errors
+    /// [`Error::Assertion`] where vLLM asserts: a count that is not a multiple of the
+    /// block size, or more blocks than the lookup found.
+    pub fn truncated_hits(&self, num_hits: usize, num_computed_tokens: i64) -> Result<usize> {
+        let size = signed(self.block_size);
+        if num_computed_tokens.rem_euclid(size) != 0 {
+            return Err(Error::Assertion(format!(
+                "num_computed_tokens {num_computed_tokens} is not a multiple of the block \
+                 size {size}"
+            )));
+        }
+        let blocks = num_computed_tokens.div_euclid(size);
+        if blocks > signed(num_hits) {
+            return Err(Error::Assertion(format!(
+                "{blocks} blocks asked of a lookup that found {num_hits}"
+            )));
+        }
+        Ok(slice_end(blocks, num_hits))
     }
 
     /// The request's block table (empty for an unknown request).

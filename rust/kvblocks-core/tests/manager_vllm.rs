@@ -583,3 +583,15 @@ fn caching_past_the_table_with_events_fails_where_vllm_indexes() {
     assert_eq!(mgr.estimate_cached_tokens("r"), 8);
     assert!(mgr.events().is_empty());
 }
+
+#[test]
+fn truncating_a_lookup_is_vllms_aligned_slice() {
+    // blocks[:n // 4]: n must be a multiple of 4 and n // 4 at most the hits; a negative
+    // multiple counts from the end.
+    let mgr = vllm_manager(8);
+    assert_eq!(mgr.truncated_hits(3, 8), Ok(2));
+    assert_eq!(mgr.truncated_hits(3, -4), Ok(2));
+    assert_eq!(mgr.truncated_hits(3, -16), Ok(0));
+    assert!(matches!(mgr.truncated_hits(3, 6), Err(Error::Assertion(_))));
+    assert!(matches!(mgr.truncated_hits(3, 16), Err(Error::Assertion(_))));
+}

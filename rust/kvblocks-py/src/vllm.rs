@@ -283,14 +283,6 @@ impl PyKVCacheBlocks {
         })
     }
 
-    /// The first `num_blocks` blocks (vLLM's `truncate_computed_blocks` slice).
-    fn head(&self, py: Python<'_>, num_blocks: usize) -> Self {
-        Self {
-            ids: self.ids.iter().take(num_blocks).copied().collect(),
-            manager: self.manager.as_ref().map(|m| m.clone_ref(py)),
-        }
-    }
-
     /// A result with no blocks (a method, as vLLM's).
     #[allow(clippy::unused_self)]
     fn new_empty(&self) -> Self {
@@ -646,6 +638,23 @@ impl PyVllmManager {
                 .py()?
         };
         Self::blocks_of(slf, ids)
+    }
+
+    /// vLLM's ``truncate_computed_blocks``: the lookup result's blocks that cover its
+    /// first ``num_computed_tokens`` tokens (a multiple of the block size).
+    fn truncate_computed_blocks(
+        slf: &Bound<'_, Self>,
+        blocks: &Bound<'_, PyKVCacheBlocks>,
+        num_computed_tokens: i64,
+    ) -> PyResult<Py<PyKVCacheBlocks>> {
+        let ids = &blocks.get().ids;
+        let n = slf
+            .try_borrow()?
+            .as_super()
+            .inner
+            .truncated_hits(ids.len(), num_computed_tokens)
+            .py()?;
+        Self::blocks_of(slf, ids[..n].to_vec())
     }
 
     /// The request's whole block table.
