@@ -88,5 +88,5 @@ def test_the_table_is_read() -> None:
 
 def test_a_missing_member_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     # The checker catches what it checks: hide a member kvblocks has.
-    monkeypatch.delattr(KVCacheManager, "prefix_cache_stats")
-    assert undocumented("KVCacheManager")[0] == {"prefix_cache_stats"}
+    monkeypatch.delattr(KVCacheManager, "prefix_cache_lookup_enabled")
+    assert undocumented("KVCacheManager")[0] == {"prefix_cache_lookup_enabled"}

@@ -251,6 +251,9 @@ class KVCacheManager(VllmKVCacheManager):
         self.kv_cache_config = config.kv_cache_config
         self.max_model_len = config.max_model_len
         self.log_stats = config.log_stats
+        #: vLLM's accumulator, replaced by :meth:`make_prefix_cache_stats` (readers may
+        #: hold it while it grows, as with vLLM's manager).
+        self.prefix_cache_stats = PrefixCacheStats() if config.log_stats else None
         self.enable_kv_cache_events = config.enable_kv_cache_events
         self.use_eagle = False
         self.metrics_collector = None
@@ -282,16 +285,32 @@ class KVCacheManager(VllmKVCacheManager):
         """``get_computed_blocks`` plus ``hit_diverged`` (never, with one group)."""
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:  # type: ignore[override]
-        """The prefix-cache stats since the last call (then reset), or None."""
-        return to_prefix_cache_stats(self.take_prefix_cache_counters())
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:  # type: ignore[override]
+        """Records one admission's lookup in :attr:`prefix_cache_stats` as vLLM does:
+        nothing when the lookup did not run, preempted requests counted apart."""
+        record = self.prefix_cache_record(request)
+        if record is not None and self.prefix_cache_stats is not None:
+            num_tokens, preempted = record
+            self.prefix_cache_stats.record(
+                num_tokens=num_tokens, num_hits=num_hits, preempted=preempted
+            )
 
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The prefix-cache stats being accumulated since the last
-        :meth:`make_prefix_cache_stats`, or None without ``log_stats`` (vLLM's
-        attribute; a snapshot, made when read)."""
-        return to_prefix_cache_stats(self.prefix_cache_counters())
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:  # type: ignore[override]
+        """The prefix-cache stats since the last call (replaced by fresh ones), or None
+        without ``log_stats``."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use; the stats then say so."""
+        if not super().reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (no cascade attention): ``[0]``."""
@@ -323,24 +342,6 @@ class KVCacheManager(VllmKVCacheManager):
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """No zeroing with one uniform full-attention group."""
-
-
-def to_prefix_cache_stats(
-    counters: tuple[bool, int, int, int, int, int, int] | None,
-) -> PrefixCacheStats | None:
-    """vLLM's stats class from the native counters (None stays None)."""
-    if counters is None:
-        return None
-    reset, requests, queries, hits, p_requests, p_queries, p_hits = counters
-    return PrefixCacheStats(
-        reset=reset,
-        requests=requests,
-        queries=queries,
-        hits=hits,
-        preempted_requests=p_requests,
-        preempted_queries=p_queries,
-        preempted_hits=p_hits,
-    )
 
 
 def spec_kind(spec: KVCacheSpec) -> str:

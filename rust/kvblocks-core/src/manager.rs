@@ -789,8 +789,14 @@ impl KVCacheManager {
         skip_reading_prefix_cache: bool,
         preempted: bool,
     ) -> Result<()> {
-        let skipped = !self.pool.enable_caching() || skip_reading_prefix_cache;
+        let skipped = !self.records_lookup(skip_reading_prefix_cache);
         self.record_lookup(request, num_hits, skipped, preempted)
+    }
+
+    /// Whether an admission's lookup counts in the prefix-cache stats: stats are
+    /// logged, and the lookup ran (caching on, and the request may read the cache).
+    pub fn records_lookup(&self, skip_reading_prefix_cache: bool) -> bool {
+        self.stats.is_some() && self.pool.enable_caching() && !skip_reading_prefix_cache
     }
 
     /// Validates one recorded lookup (strict) and counts it unless `skipped`; vLLM

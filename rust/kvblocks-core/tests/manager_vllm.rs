@@ -593,5 +593,8 @@ fn truncating_a_lookup_is_vllms_aligned_slice() {
     assert_eq!(mgr.truncated_hits(3, -4), Ok(2));
     assert_eq!(mgr.truncated_hits(3, -16), Ok(0));
     assert!(matches!(mgr.truncated_hits(3, 6), Err(Error::Assertion(_))));
-    assert!(matches!(mgr.truncated_hits(3, 16), Err(Error::Assertion(_))));
+    assert!(matches!(
+        mgr.truncated_hits(3, 16),
+        Err(Error::Assertion(_))
+    ));
 }

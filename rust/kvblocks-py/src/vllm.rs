@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use hashbrown::HashMap;
-use kvblocks_core::manager::{Lookup, PrefixCacheStats, SlotRequest, Tolerance};
+use kvblocks_core::manager::{Lookup, SlotRequest, Tolerance};
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyIndexError, PyTypeError};
@@ -703,62 +703,29 @@ impl PyVllmManager {
             .py()
     }
 
-    /// Records one admission's lookup as vLLM does: skipped for a request that may not
-    /// read the prefix cache, preempted requests counted apart.
-    fn record_prefix_cache_stats(
+    /// What vLLM's ``record_prefix_cache_stats`` would record of one admission's
+    /// lookup: ``(num_tokens, preempted)``, or ``None`` when it records nothing (stats
+    /// off, caching off, or a request that may not read the prefix cache). The caller
+    /// adds it to vLLM's own ``PrefixCacheStats``.
+    fn prefix_cache_record(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        num_hits: i64,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<(i64, bool)>> {
         let py = slf.py();
+        let this = slf.try_borrow()?;
+        let core = &this.as_super().inner;
         // vLLM returns at once without stats; nothing about the request is read then.
-        if !slf.try_borrow()?.as_super().inner.log_stats() {
-            return Ok(());
+        if !core.records_lookup(false) {
+            return Ok(None);
         }
-        let skip_reading = request_flag(request, intern!(py, "skip_reading_prefix_cache"))?;
-        let preempted = request
-            .getattr_opt(intern!(py, "num_preemptions"))?
-            .map_or(Ok(0), |n| n.extract::<i64>())?
-            > 0;
-        let view = RequestView {
-            request_id: "",
-            num_tokens: request_attr(request, intern!(py, "num_tokens"))?,
-            num_computed_tokens: 0,
-            block_hashes: &[][..] as &[BlockHash],
-        };
-        slf.try_borrow_mut()?
-            .as_super()
-            .inner
-            .record_prefix_cache_stats_with(&view, num_hits, skip_reading, preempted)
-            .py()
+        if !core.records_lookup(request_flag(
+            request,
+            intern!(py, "skip_reading_prefix_cache"),
+        )?) {
+            return Ok(None);
+        }
+        let num_tokens = request_attr(request, intern!(py, "num_tokens"))?;
+        let preempted = request_attr(request, intern!(py, "num_preemptions"))? > 0;
+        Ok(Some((num_tokens, preempted)))
     }
-
-    /// The prefix-cache counters since the last call, then zeroed: ``(reset, requests,
-    /// queries, hits, preempted_requests, preempted_queries, preempted_hits)``, or
-    /// ``None`` without stats.
-    fn take_prefix_cache_counters(mut slf: PyRefMut<'_, Self>) -> Option<Counters> {
-        slf.as_super().inner.make_prefix_cache_stats().map(counters)
-    }
-
-    /// The prefix-cache counters being accumulated, as :meth:`take_prefix_cache_counters`
-    /// gives them, without zeroing them.
-    fn prefix_cache_counters(slf: PyRef<'_, Self>) -> Option<Counters> {
-        slf.as_super().inner.prefix_cache_stats().map(counters)
-    }
-}
-
-/// `(reset, requests, queries, hits, preempted_requests, preempted_queries,
-/// preempted_hits)`.
-type Counters = (bool, i64, i64, i64, i64, i64, i64);
-
-fn counters(s: PrefixCacheStats) -> Counters {
-    (
-        s.reset,
-        s.requests,
-        s.queries,
-        s.hits,
-        s.preempted_requests,
-        s.preempted_queries,
-        s.preempted_hits,
-    )
 }
