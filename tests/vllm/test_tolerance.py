@@ -267,3 +267,33 @@ def test_truncating_a_lookup_asserts_and_slices_as_vllm_does() -> None:
 
 def truncate_computed_blocks(m: Manager, _: object, *, hits: dict[int, Any], tokens: int) -> Any:
     return m.truncate_computed_blocks(hits[id(m)], tokens)
+
+
+def test_the_views_vllms_tests_read_agree() -> None:
+    # vLLM's own scheduler tests read the group's req_to_blocks and num_cached_block,
+    # and the pool's blocks and free_block_queue.
+    managers = twins()
+    reqs = {"r": pair("r", 13), "s": pair("s", 6)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 13))
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["s"], 6, delay_cache_blocks=True))
+    theirs, ours = managers
+
+    def views(m: Manager) -> tuple[Any, ...]:
+        group = m.coordinator.single_type_managers[0]
+        pool = m.block_pool
+        # Membership first: vLLM's defaultdict grows when an unknown id is read.
+        return (
+            sorted(group.req_to_blocks),
+            "r" in group.req_to_blocks,
+            "x" in group.req_to_blocks,
+            {k: [b.block_id for b in group.req_to_blocks[k]] for k in ("r", "s")},
+            dict(group.num_cached_block),
+            pool.free_block_queue.num_free_blocks,
+            [(b.block_id, b.ref_cnt) for b in pool.blocks],
+            pool.blocks[-1].block_id,
+            len(pool.blocks),
+        )
+
+    assert views(ours) == views(theirs)
+    same(managers, reqs, lambda m, r: m.free(r["r"]))
+    assert views(ours) == views(theirs)

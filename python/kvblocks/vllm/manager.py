@@ -10,8 +10,8 @@ for one full-attention group. Events are built natively as vLLM's own event clas
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.kv_cache_interface import (
@@ -65,6 +65,16 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.hash_block_size = block_size
         self.num_gpu_blocks: int = pool.num_blocks
+
+    @property
+    def blocks(self) -> Sequence[KVCacheBlock]:
+        """Every block of the pool, by id, as snapshots made when read."""
+        return BlockViews(self._pool)
+
+    @property
+    def free_block_queue(self) -> FreeBlockQueue:
+        """The free queue's length, as vLLM's queue object reports it."""
+        return FreeBlockQueue(self._pool)
 
     @property
     def null_block(self) -> KVCacheBlock:
@@ -121,17 +131,93 @@ class RequestId:
         self.request_id = request_id
 
 
+class RequestTables(Mapping[str, list[KVCacheBlock]]):
+    """vLLM's ``req_to_blocks``, read from the manager: each request's blocks, as
+    snapshots made when read (an unknown request has none, as with vLLM's
+    ``defaultdict``, which this view never grows)."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    def __getitem__(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self._manager.get_blocks(request_id).blocks[0])
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._manager.request_ids()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._manager.request_ids())
+
+    def __len__(self) -> int:
+        return len(self._manager.request_ids())
+
+
+class BlockViews(Sequence[KVCacheBlock]):
+    """vLLM's ``block_pool.blocks``, read from the pool: block ``i`` is a snapshot of
+    block id ``i`` made when read."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    @overload
+    def __getitem__(self, index: int) -> KVCacheBlock: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[KVCacheBlock]: ...
+    def __getitem__(self, index: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
+        ids = range(self._pool.num_blocks)[index]
+        if isinstance(ids, int):
+            return self._pool.get_block(ids)  # type: ignore[no-any-return]
+        return [self._pool.get_block(i) for i in ids]
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks  # type: ignore[no-any-return]
+
+
+class FreeBlockQueue:
+    """What is read of vLLM's ``free_block_queue``: its length."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue."""
+        return self._pool.get_num_free_blocks()  # type: ignore[no-any-return]
+
+
 class SingleTypeManager:
-    """What vLLM's Scheduler, engine core and connectors read of the group's manager."""
+    """What vLLM's Scheduler, engine core, connectors and tests read of the group's
+    manager."""
 
-    __slots__ = ("block_pool", "block_size", "dcp_world_size", "kv_cache_group_id", "kv_cache_spec")
+    __slots__ = (
+        "_manager",
+        "block_pool",
+        "block_size",
+        "dcp_world_size",
+        "kv_cache_group_id",
+        "kv_cache_spec",
+        "req_to_blocks",
+    )
 
-    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool) -> None:
+    def __init__(self, manager: KVCacheManager, spec: KVCacheSpec, block_pool: BlockPool) -> None:
+        self._manager = manager
         self.kv_cache_spec = spec
         self.block_size: int = spec.block_size
         self.kv_cache_group_id = 0
         self.block_pool = block_pool
         self.dcp_world_size = 1
+        self.req_to_blocks = RequestTables(manager)
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Each request's count of cached leading blocks (a snapshot)."""
+        return dict(self._manager.cached_block_counts())
 
 
 class KVCacheCoordinator:
@@ -171,7 +257,7 @@ class KVCacheCoordinator:
         self.scheduler_block_size = self.block_size
         self.group_block_sizes = (self.block_size,)
         self.block_pool = block_pool
-        self.single_type_managers = (SingleTypeManager(self.kv_cache_spec, block_pool),)
+        self.single_type_managers = (SingleTypeManager(manager, self.kv_cache_spec, block_pool),)
         self.eagle_group_ids: set[int] = set()
         self.drop_eagle_group_ids: set[int] = set()
 

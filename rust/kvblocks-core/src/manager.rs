@@ -716,6 +716,14 @@ impl KVCacheManager {
         self.requests.get(request_id).map_or(&[], |s| &s.blocks)
     }
 
+    /// Every request with a cached-block count (vLLM's `num_cached_block` entries), in
+    /// no particular order.
+    pub fn cached_block_counts(&self) -> impl Iterator<Item = (&str, usize)> + '_ {
+        self.requests
+            .iter()
+            .filter_map(|(id, s)| s.num_cached.map(|n| (id.as_str(), n)))
+    }
+
     /// Every request with its block table, in no particular order.
     pub fn block_tables(&self) -> impl Iterator<Item = (&str, &[u32])> + '_ {
         self.requests

@@ -657,6 +657,24 @@ impl PyVllmManager {
         Self::blocks_of(slf, ids[..n].to_vec())
     }
 
+    /// The ids of the requests that hold a block table (vLLM's ``req_to_blocks`` keys).
+    fn request_ids(slf: PyRef<'_, Self>) -> Vec<String> {
+        slf.as_super()
+            .inner
+            .block_tables()
+            .map(|(id, _)| id.to_owned())
+            .collect()
+    }
+
+    /// Each request's count of cached blocks (vLLM's ``num_cached_block``), as pairs.
+    fn cached_block_counts(slf: PyRef<'_, Self>) -> Vec<(String, usize)> {
+        slf.as_super()
+            .inner
+            .cached_block_counts()
+            .map(|(id, n)| (id.to_owned(), n))
+            .collect()
+    }
+
     /// The request's whole block table.
     fn get_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<Py<PyKVCacheBlocks>> {
         let ids = slf
