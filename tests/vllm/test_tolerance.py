@@ -297,3 +297,27 @@ def test_the_views_vllms_tests_read_agree() -> None:
     assert views(ours) == views(theirs)
     same(managers, reqs, lambda m, r: m.free(r["r"]))
     assert views(ours) == views(theirs)
+
+
+def test_an_empty_result_other_than_vllms_own_is_adopted() -> None:
+    # vLLM tests new_computed_blocks against its shared empty result by identity: any
+    # other result, even empty, makes a new request adopt it (and count as running).
+    managers = twins(enable_caching=False, kv_cache_config=harness.build_kv_cache_config(3, 4))
+    reqs = {"r": pair("r", 4), "s": pair("s", 4)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 4))
+    fresh = lambda m, r: m.allocate_slots(  # noqa: E731
+        r["r"], 4, new_computed_blocks=m.empty_kv_cache_blocks.new_empty()
+    )
+    assert same(managers, reqs, fresh) == Raised(AssertionError)
+    same(
+        managers,
+        reqs,
+        lambda m, r: m.allocate_slots(r["s"], 4, new_computed_blocks=m.empty_kv_cache_blocks),
+    )
+    same(
+        managers,
+        reqs,
+        lambda m, r: m.allocate_slots(
+            r["s"], 4, new_computed_blocks=m.empty_kv_cache_blocks.new_empty()
+        ),
+    )

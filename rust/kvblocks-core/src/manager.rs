@@ -64,6 +64,10 @@ pub struct SlotRequest<'a> {
     pub num_new_computed_tokens: i64,
     /// The prefix-cache hits from [`KVCacheManager::get_computed_blocks`].
     pub new_computed_blocks: &'a [i64],
+    /// vLLM's identity test: the caller's `new_computed_blocks` is not vLLM's shared
+    /// empty result, so a request not yet known adopts them even when there are none
+    /// (and is known from then on).
+    pub computed_blocks_given: bool,
     /// Extra slots for speculative tokens.
     pub num_lookahead_tokens: i64,
     /// Tokens a KV connector will load.
@@ -409,7 +413,12 @@ impl KVCacheManager {
         let state = self.requests.get(id);
         // vLLM asserts against adopting only after its capacity checks, which may
         // return None first; the library refuses before.
-        let adoption = self.check_adoption(id, state, &hits, counts.num_external);
+        let adoption = self.check_adoption(
+            id,
+            state,
+            &hits,
+            args.computed_blocks_given || counts.num_external > 0,
+        );
         if self.strict() || (adoption.is_err() && state.is_some_and(|s| s.num_cached.is_some())) {
             adoption.clone()?;
         }
@@ -662,7 +671,7 @@ impl KVCacheManager {
         }
         let hits = self.check_hits(new_computed_blocks)?;
         let state = self.requests.get(request_id);
-        self.check_adoption(request_id, state, &hits, 0)?;
+        self.check_adoption(request_id, state, &hits, false)?;
         let held = state.map_or(0, |s| s.blocks.len());
         Ok(self.blocks_to_take(held, &hits)(blocks_for(
             num_tokens,
@@ -938,15 +947,17 @@ impl KVCacheManager {
     }
 
     /// Whether this call adopts computed tokens (vLLM's `allocate_new_computed_blocks`
-    /// for a request without a cached-block entry), refusing the cases vLLM asserts
-    /// against: hits for a request that holds blocks or with caching off, and external
-    /// tokens for a request that holds blocks but has no cached-block entry.
+    /// for a request without a cached-block entry): it does with hits, and with none
+    /// when `adopts_anyway` (external tokens, or computed blocks given that are not
+    /// vLLM's shared empty result). Refuses the cases vLLM asserts against: hits for a
+    /// request that holds blocks or with caching off, and an adoption by a request that
+    /// holds blocks but has no cached-block entry.
     fn check_adoption(
         &self,
         id: &str,
         state: Option<&RequestBlocks>,
         hits: &[u32],
-        num_external: i64,
+        adopts_anyway: bool,
     ) -> Result<bool> {
         let held = state.map_or(0, |s| s.blocks.len());
         let known = state.is_some_and(|s| s.num_cached.is_some());
@@ -955,7 +966,7 @@ impl KVCacheManager {
                 "new_computed_blocks must be empty when prefix caching is disabled".to_owned(),
             ));
         }
-        let adopts = !known && (!hits.is_empty() || num_external > 0);
+        let adopts = !known && (!hits.is_empty() || adopts_anyway);
         if (known && !hits.is_empty()) || (adopts && held > 0) {
             return Err(self.refuse(format!(
                 "request {id} already holds blocks, so it cannot adopt computed tokens"

@@ -553,6 +553,11 @@ impl PyVllmManager {
         // groups, and zeroes nothing.
         let _ = (num_encoder_tokens, skip_zeroing_group_ids);
         let hits = Self::hit_ids(new_computed_blocks)?;
+        // vLLM tests `new_computed_blocks` against its shared empty result by identity.
+        let computed_blocks_given = match new_computed_blocks {
+            None => false,
+            Some(blocks) => !blocks.is(slf.try_borrow()?.empty.bind(slf.py())),
+        };
         // The status matters only under a watermark: read it only then.
         let watermarked = slf.try_borrow()?.as_super().inner.watermark_blocks() > 0;
         let admitting = if has_scheduled_reqs.0 && watermarked {
@@ -565,6 +570,7 @@ impl PyVllmManager {
             num_new_tokens,
             num_new_computed_tokens,
             new_computed_blocks: &hits,
+            computed_blocks_given,
             num_lookahead_tokens,
             num_external_computed_tokens,
             delay_cache_blocks: delay_cache_blocks.0,
