@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvblocks._native import KVCacheBlock, KVCacheBlocks, VllmKVCacheManager
+from kvblocks._native import KVCacheBlocks, KVCacheBlockView, VllmKVCacheManager
 from kvblocks.vllm.config import ManagerArgs
 
 __all__ = ["BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager"]
@@ -32,14 +32,14 @@ __all__ = ["BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager"]
 ADMISSION_STATUSES = (int(RequestStatus.WAITING), int(RequestStatus.PREEMPTED))
 
 
-def block_ids(blocks: Iterable[KVCacheBlock | int]) -> list[int]:
+def block_ids(blocks: Iterable[KVCacheBlockView | int]) -> list[int]:
     """The ids of block objects (anything with ``block_id``) or of plain ints."""
     return [b if isinstance(b, int) else b.block_id for b in blocks]
 
 
 class BlockPool:
     """vLLM's ``BlockPool`` members that the Scheduler and id-level connectors use, on
-    the manager's native pool. Blocks come back as :class:`KVCacheBlock` snapshots;
+    the manager's native pool. Blocks come back as live :class:`KVCacheBlockView` objects;
     ``free_blocks`` and ``touch`` take those (or ids)."""
 
     #: Where the blocks live, as vLLM's pool says.
@@ -50,6 +50,7 @@ class BlockPool:
     num_hash_lookahead_tokens = 0
 
     __slots__ = (
+        "_manager",
         "_pool",
         "enable_caching",
         "enable_kv_cache_events",
@@ -58,8 +59,15 @@ class BlockPool:
     )
 
     def __init__(
-        self, pool: Any, *, enable_caching: bool, enable_kv_cache_events: bool, block_size: int
+        self,
+        manager: KVCacheManager,
+        pool: Any,
+        *,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        block_size: int,
     ) -> None:
+        self._manager = manager
         self._pool = pool
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -67,9 +75,9 @@ class BlockPool:
         self.num_gpu_blocks: int = pool.num_blocks
 
     @property
-    def blocks(self) -> Sequence[KVCacheBlock]:
-        """Every block of the pool, by id, as snapshots made when read."""
-        return BlockViews(self._pool)
+    def blocks(self) -> Sequence[KVCacheBlockView]:
+        """Every block of the pool, by id."""
+        return BlockViews(self._manager)
 
     @property
     def free_block_queue(self) -> FreeBlockQueue:
@@ -77,28 +85,28 @@ class BlockPool:
         return FreeBlockQueue(self._pool)
 
     @property
-    def null_block(self) -> KVCacheBlock:
+    def null_block(self) -> KVCacheBlockView:
         """Block 0, never handed out."""
-        return self._pool.get_block(0)  # type: ignore[no-any-return]
+        return self._manager.block(0)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock | int]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlockView | int]) -> None:
         """Drops one reference of each block, in eviction-priority order."""
         self._pool.free_blocks(block_ids(ordered_blocks))
 
-    def touch(self, blocks: Iterable[KVCacheBlock | int]) -> None:
+    def touch(self, blocks: Iterable[KVCacheBlockView | int]) -> None:
         """Adds one reference to each block (taking free ones out of the queue)."""
         self._pool.touch(block_ids(blocks))
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlockView]:
         """Allocates ``num_blocks`` blocks from the free queue's head."""
-        return [self._pool.get_block(b) for b in self._pool.get_new_blocks(num_blocks)]
+        return [self._manager.block(b) for b in self._pool.get_new_blocks(num_blocks)]
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
-    ) -> list[KVCacheBlock] | None:
+    ) -> list[KVCacheBlockView] | None:
         """The cached block of each group for ``block_hash``, or None on a miss."""
         ids = self._pool.get_cached_block(block_hash, tuple(kv_cache_group_ids))
-        return None if ids is None else [self._pool.get_block(b) for b in ids]
+        return None if ids is None else [self._manager.block(b) for b in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drops the blocks' hashes from the prefix cache."""
@@ -116,7 +124,7 @@ class BlockPool:
         """``1 - free / (num_gpu_blocks - 1)``."""
         return self._pool.get_usage()  # type: ignore[no-any-return]
 
-    def is_block_writable(self, block: KVCacheBlock) -> bool:
+    def is_block_writable(self, block: KVCacheBlockView) -> bool:
         """Whether the block may be written: every block but the null block (no
         pinning without a connector that needs vLLM's pool)."""
         return not block.is_null
@@ -131,17 +139,17 @@ class RequestId:
         self.request_id = request_id
 
 
-class RequestTables(Mapping[str, list[KVCacheBlock]]):
-    """vLLM's ``req_to_blocks``, read from the manager: each request's blocks, as
-    snapshots made when read (an unknown request has none, as with vLLM's
-    ``defaultdict``, which this view never grows)."""
+class RequestTables(Mapping[str, list[KVCacheBlockView]]):
+    """vLLM's ``req_to_blocks``, read from the manager: each request's blocks (an
+    unknown request has none, as with vLLM's ``defaultdict``, which this view never
+    grows)."""
 
     __slots__ = ("_manager",)
 
     def __init__(self, manager: KVCacheManager) -> None:
         self._manager = manager
 
-    def __getitem__(self, request_id: str) -> list[KVCacheBlock]:
+    def __getitem__(self, request_id: str) -> list[KVCacheBlockView]:
         return list(self._manager.get_blocks(request_id).blocks[0])
 
     def __contains__(self, request_id: object) -> bool:
@@ -154,27 +162,26 @@ class RequestTables(Mapping[str, list[KVCacheBlock]]):
         return len(self._manager.request_ids())
 
 
-class BlockViews(Sequence[KVCacheBlock]):
-    """vLLM's ``block_pool.blocks``, read from the pool: block ``i`` is a snapshot of
-    block id ``i`` made when read."""
+class BlockViews(Sequence[KVCacheBlockView]):
+    """vLLM's ``block_pool.blocks``, read from the pool: item ``i`` is block ``i``."""
 
-    __slots__ = ("_pool",)
+    __slots__ = ("_manager",)
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
 
     @overload
-    def __getitem__(self, index: int) -> KVCacheBlock: ...
+    def __getitem__(self, index: int) -> KVCacheBlockView: ...
     @overload
-    def __getitem__(self, index: slice) -> list[KVCacheBlock]: ...
-    def __getitem__(self, index: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
-        ids = range(self._pool.num_blocks)[index]
+    def __getitem__(self, index: slice) -> list[KVCacheBlockView]: ...
+    def __getitem__(self, index: int | slice) -> KVCacheBlockView | list[KVCacheBlockView]:
+        ids = range(len(self))[index]
         if isinstance(ids, int):
-            return self._pool.get_block(ids)  # type: ignore[no-any-return]
-        return [self._pool.get_block(i) for i in ids]
+            return self._manager.block(ids)
+        return [self._manager.block(i) for i in ids]
 
     def __len__(self) -> int:
-        return self._pool.num_blocks  # type: ignore[no-any-return]
+        return self._manager.block_pool.num_gpu_blocks
 
 
 class FreeBlockQueue:
@@ -261,7 +268,7 @@ class KVCacheCoordinator:
         self.eagle_group_ids: set[int] = set()
         self.drop_eagle_group_ids: set[int] = set()
 
-    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlock], ...]:
+    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlockView], ...]:
         """The request's blocks, one sequence per group."""
         return self._manager.get_blocks(request_id).blocks  # type: ignore[no-any-return]
 
@@ -273,7 +280,7 @@ class KVCacheCoordinator:
         """Frees the request's blocks, tail first."""
         self._manager.free(RequestId(request_id))
 
-    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlockView]:
         """Forgets the request; returns its blocks, unfreed, in table order."""
         return self._manager.pop_blocks_for_free(RequestId(request_id))  # type: ignore[no-any-return]
 
@@ -348,6 +355,7 @@ class KVCacheManager(VllmKVCacheManager):
         spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.kv_cache_event_metadata = ((spec_kind(spec), get_kv_cache_spec_sliding_window(spec)),)
         pool = BlockPool(
+            self,
             super().block_pool,
             enable_caching=config.enable_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
@@ -414,7 +422,7 @@ class KVCacheManager(VllmKVCacheManager):
         """Mamba only: ``{}``."""
         return {}
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlockView]]:
         """No copy-on-write with one full-attention group: ``([], [])``."""
         return [], []
 

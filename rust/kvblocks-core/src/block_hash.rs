@@ -56,6 +56,12 @@ impl BlockHash {
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len]
     }
+
+    /// vLLM's `BlockHashWithGroupId`, which its `KVCacheBlock.block_hash` holds: the
+    /// hash's bytes, then the group id as 4 big-endian bytes.
+    pub fn with_group_id(&self, group_id: u32) -> Vec<u8> {
+        [self.as_bytes(), &group_id.to_be_bytes()].concat()
+    }
 }
 
 impl std::fmt::Debug for BlockHash {

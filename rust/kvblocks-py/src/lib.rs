@@ -28,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // kvblocks.vllm's native half, outside the backend API (`__all__`).
     m.add_class::<vllm::PyVllmManager>()?;
     m.add_class::<vllm::PyKVCacheBlocks>()?;
+    m.add_class::<vllm::PyBlockView>()?;
     m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(
         rollback::update_requests_with_invalid_blocks,

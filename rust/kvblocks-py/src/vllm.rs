@@ -14,18 +14,18 @@ use std::ops::Range;
 use hashbrown::HashMap;
 use kvblocks_core::manager::{Lookup, SlotRequest, Tolerance};
 use kvblocks_core::request::{HashSource, RequestView};
+use kvblocks_core::pool::{BlockInfo, NULL_BLOCK_ID};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySequence, PyString, PyTuple};
 use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::RequestTokens;
 use crate::manager::{PyHashes, PyKVCacheManager};
-use crate::pool::PyKVCacheBlock;
 
 /// The block hashes of one request converted so far, and the `block_hashes` item the
 /// last of them was read from.
@@ -257,13 +257,10 @@ impl PyKVCacheBlocks {
         let Some(manager) = &self.manager else {
             return PyTuple::new(py, [PyTuple::empty(py)]);
         };
-        let manager = manager.bind(py).try_borrow()?;
-        let pool = manager.as_super().inner.block_pool();
-        let views = self
-            .ids
-            .iter()
-            .map(|&b| pool.block(i64::from(b)).map(PyKVCacheBlock::from).py())
-            .collect::<PyResult<Vec<_>>>()?;
+        let views = self.ids.iter().map(|&block_id| PyBlockView {
+            manager: manager.clone_ref(py),
+            block_id,
+        });
         PyTuple::new(py, [PyList::new(py, views)?])
     }
 
@@ -294,6 +291,64 @@ impl PyKVCacheBlocks {
 
     fn __repr__(&self) -> String {
         format!("KVCacheBlocks(block_ids=({:?},))", self.ids)
+    }
+}
+
+/// A block of the pool as vLLM's ``KVCacheBlock``: each member is read from the pool
+/// when asked, so a block held across calls sees its ref count and hash change, as a
+/// connector holding vLLM's own block objects does. ``block_hash`` is vLLM's
+/// ``BlockHashWithGroupId`` (the hash, then the group id in 4 big-endian bytes).
+#[pyclass(module = "kvblocks._native", name = "KVCacheBlockView", frozen)]
+pub struct PyBlockView {
+    manager: Py<PyVllmManager>,
+    #[pyo3(get)]
+    block_id: u32,
+}
+
+impl PyBlockView {
+    fn read<T>(&self, py: Python<'_>, f: impl FnOnce(BlockInfo) -> T) -> PyResult<T> {
+        let manager = self.manager.bind(py).try_borrow()?;
+        let info = manager
+            .as_super()
+            .inner
+            .block_pool()
+            .block(i64::from(self.block_id))
+            .py()?;
+        Ok(f(info))
+    }
+}
+
+#[pymethods]
+impl PyBlockView {
+    /// References held (requests, and pins by connectors).
+    #[getter]
+    fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
+        self.read(py, |b| b.ref_cnt)
+    }
+
+    /// vLLM's ``BlockHashWithGroupId`` while the block is cached, else ``None``.
+    #[getter]
+    fn block_hash<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let hash = self.read(py, |b| {
+            b.block_hash
+                .zip(b.group_id)
+                .map(|(h, g)| h.with_group_id(g))
+        })?;
+        Ok(hash.map(|h| PyBytes::new(py, &h)))
+    }
+
+    /// Whether this is the null block (block 0).
+    #[getter]
+    fn is_null(&self) -> bool {
+        self.block_id == NULL_BLOCK_ID
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let ref_cnt = self.ref_cnt(py)?;
+        Ok(format!(
+            "KVCacheBlockView(block_id={}, ref_cnt={ref_cnt})",
+            self.block_id
+        ))
     }
 }
 
@@ -602,19 +657,13 @@ impl PyVllmManager {
     ) -> PyResult<Bound<'py, PyList>> {
         let id = request_id(request)?;
         let mut this = slf.try_borrow_mut()?;
-        // The views first: nothing is forgotten unless they could all be made.
-        let base = this.as_super();
-        let pool = base.inner.block_pool();
-        let views = base
-            .inner
-            .get_block_ids(&id)
-            .iter()
-            .map(|&b| pool.block(i64::from(b)).map(PyKVCacheBlock::from).py())
-            .collect::<PyResult<Vec<_>>>()?;
-        let views = PyList::new(slf.py(), views)?;
-        base.inner.pop_blocks_for_free(&id);
+        let blocks = this.as_super().inner.pop_blocks_for_free(&id);
         this.hashes.remove(&id);
-        Ok(views)
+        let views = blocks.into_iter().map(|block_id| PyBlockView {
+            manager: slf.clone().unbind(),
+            block_id,
+        });
+        PyList::new(slf.py(), views)
     }
 
     /// Caches the request's full blocks within ``num_computed_tokens`` tokens.
@@ -679,6 +728,21 @@ impl PyVllmManager {
             .cached_block_counts()
             .map(|(id, n)| (id.to_owned(), n))
             .collect()
+    }
+
+    /// Block ``block_id`` of the pool, as vLLM's ``KVCacheBlock`` reads (live).
+    fn block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<PyBlockView> {
+        let block_id = slf
+            .try_borrow()?
+            .as_super()
+            .inner
+            .block_pool()
+            .check_id(block_id)
+            .py()?;
+        Ok(PyBlockView {
+            manager: slf.clone().unbind(),
+            block_id,
+        })
     }
 
     /// The request's whole block table.
