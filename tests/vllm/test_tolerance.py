@@ -92,7 +92,17 @@ def same(
     for req_id in requests:
         assert ours.get_block_ids(req_id) == theirs.get_block_ids(req_id), req_id
     assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks()
+    cached = [dict(m.coordinator.single_type_managers[0].num_cached_block) for m in managers]
+    assert cached[1] == cached[0]
+    assert [stored_hashes(e) for e in ours.take_events()] == [
+        stored_hashes(e) for e in theirs.take_events()
+    ]
     return got
+
+
+def stored_hashes(event: Any) -> tuple[str, Any]:
+    """An event's kind and the hashes it names."""
+    return type(event).__name__, getattr(event, "block_hashes", None)
 
 
 def pair(req_id: str, num_tokens: int) -> tuple[Request, Request]:
@@ -321,3 +331,61 @@ def test_an_empty_result_other_than_vllms_own_is_adopted() -> None:
             r["s"], 4, new_computed_blocks=m.empty_kv_cache_blocks.new_empty()
         ),
     )
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_caching_past_the_table_inside_allocate_slots(events: bool) -> None:
+    # A negative lookahead leaves the table short of the tokens to cache: vLLM caches
+    # the blocks there and counts the rest (with events on, IndexError after it has
+    # allocated). Slots capped by max_model_len do the same.
+    managers = twins(enable_kv_cache_events=events)
+    reqs = {"r": pair("r", 12)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 8, num_lookahead_tokens=-4))
+    capped = twins(enable_kv_cache_events=events, max_model_len=8)
+    reqs = {"r": pair("r", 16)}
+    same(capped, reqs, lambda m, r: m.allocate_slots(r["r"], 16))
+
+
+def test_external_blocks_are_sized_by_the_uncapped_count() -> None:
+    managers = twins(max_model_len=8)
+    reqs = {"r": pair("r", 16)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 4, num_external_computed_tokens=12))
+
+
+def test_the_pool_evicts_as_vllms_pool_does() -> None:
+    managers = twins()
+    reqs = {"r": pair("r", 13)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 13))
+    same(managers, reqs, lambda m, _: m.block_pool.evict_blocks({-15}))
+    same(managers, reqs, lambda m, _: m.block_pool.evict_blocks({16}))
+    # vLLM evicts in the set's order and stops at the id it refuses.
+    got = same(managers, reqs, lambda m, _: m.evict_blocks({2, 3, 100}))
+    assert got == Raised(AssertionError)
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == [1, 2, 3, 4]
+
+
+def test_an_infinite_watermark_overflows_as_in_vllm() -> None:
+    for cls in (VllmKVCacheManager, KVCacheManager):
+        with pytest.raises(OverflowError):
+            cls(
+                kv_cache_config=harness.build_kv_cache_config(16, BLOCK_SIZE),
+                max_model_len=256,
+                scheduler_block_size=BLOCK_SIZE,
+                hash_block_size=BLOCK_SIZE,
+                watermark=float("inf"),
+            )
+
+
+def test_the_block_count_asserts_only_for_a_running_request_with_hits() -> None:
+    # Caching off: no request is running in vLLM's sense, so hits are counted, not refused.
+    managers = twins(enable_caching=False)
+    reqs = {"r": pair("r", 8), "s": pair("s", 8)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 8))
+    for req_id in ("r", "s"):
+        got = same(managers, reqs, partial(count_with_a_hit, req_id=req_id))
+        assert isinstance(got, int), got
+
+
+def count_with_a_hit(m: Manager, _: object, *, req_id: str) -> int:
+    hit = list(m.get_blocks("r").blocks[0][:1])
+    return m.coordinator.get_num_blocks_to_allocate(req_id, 12, (hit,), 0, 0, 0, 0)

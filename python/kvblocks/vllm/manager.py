@@ -109,8 +109,9 @@ class BlockPool:
         return None if ids is None else [self._manager.block(b) for b in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        """Drops the blocks' hashes from the prefix cache."""
-        self._pool.evict_blocks(block_ids)
+        """Drops the blocks' hashes from the prefix cache (the manager's rule: vLLM's
+        pool and manager take the same ids)."""
+        self._manager.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache if no block is in use."""

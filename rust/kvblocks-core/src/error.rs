@@ -23,6 +23,8 @@ pub enum ErrorKind {
     Assertion,
     /// `IndexError`: where vLLM's code indexes past a list (vLLM callers only).
     Index,
+    /// `OverflowError`: where vLLM's code overflows a conversion (vLLM callers only).
+    Overflow,
 }
 
 /// Everything a core call can refuse. A call that returns an error changed nothing.
@@ -61,6 +63,9 @@ pub enum Error {
     /// Where vLLM's own code indexes past the end of a list, for a caller that asked
     /// for vLLM's tolerance.
     Index(String),
+    /// Where vLLM's own code overflows converting a number, for a caller that asked
+    /// for vLLM's tolerance.
+    Overflow(String),
 }
 
 impl Error {
@@ -80,6 +85,7 @@ impl Error {
             Self::Invariant(_) => ErrorKind::Invariant,
             Self::Assertion(_) => ErrorKind::Assertion,
             Self::Index(_) => ErrorKind::Index,
+            Self::Overflow(_) => ErrorKind::Overflow,
         }
     }
 }
@@ -123,7 +129,8 @@ impl fmt::Display for Error {
             | Self::UnsupportedLayout(msg)
             | Self::Invariant(msg)
             | Self::Assertion(msg)
-            | Self::Index(msg) => f.write_str(msg),
+            | Self::Index(msg)
+            | Self::Overflow(msg) => f.write_str(msg),
         }
     }
 }

@@ -129,6 +129,8 @@ struct SlotCounts {
     num_external: i64,
     /// Computed + new computed + external, capped at `max_model_len`.
     total_computed: i64,
+    /// Computed + new computed + external, uncapped (vLLM sizes external blocks by it).
+    adopted_tokens: i64,
     /// `total_computed` + new tokens.
     main_tokens: i64,
     /// Blocks the table needs to hold the slots (lookahead included).
@@ -260,6 +262,12 @@ impl KVCacheManager {
     /// # Errors
     /// A refusal ([`Self::refuse`]) of a negative or non-finite fraction.
     pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
+        // vLLM asserts `watermark >= 0.0`, then `int(inf * num_blocks)` overflows.
+        if watermark == f64::INFINITY && !self.strict() {
+            return Err(Error::Overflow(
+                "cannot convert float infinity to integer".to_owned(),
+            ));
+        }
         if !watermark.is_finite() || watermark < 0.0 {
             return Err(self.refuse(format!(
                 "watermark must be a finite non-negative fraction, got {watermark}"
@@ -447,15 +455,26 @@ impl KVCacheManager {
         // Everything the caching step needs is fetched and checked before mutating.
         // An adopting request holds nothing yet, another adopts no hits.
         let table_len = (held + hits.len()).max(required);
-        let cache_plan = if self.pool.enable_caching() && !args.delay_cache_blocks {
+        let caches = self.pool.enable_caching() && !args.delay_cache_blocks;
+        // vLLM sizes the blocks of external tokens by the uncapped count.
+        let adopted = if self.strict() {
+            counts.total_computed
+        } else {
+            counts.adopted_tokens
+        };
+        // A negative count caches nothing, as vLLM's floor division makes it.
+        let cache_tokens = usize::try_from(counts.main_tokens.min(counts.num_tokens)).unwrap_or(0);
+        // vLLM caches past the table (a negative lookahead, or slots capped at
+        // max_model_len) as `cache_blocks` does: that caching runs after the allocation.
+        let caches_past_table = caches
+            && !self.strict()
+            && (cache_tokens / self.block_size).min(request.block_hashes.num_hashes()) > table_len;
+        let cache_plan = if caches && !caches_past_table {
             let num_cached = if adopts {
                 hits.len()
             } else {
                 state.and_then(|s| s.num_cached).unwrap_or(0)
             };
-            // A negative count caches nothing, as vLLM's floor division makes it.
-            let cache_tokens =
-                usize::try_from(counts.main_tokens.min(counts.num_tokens)).unwrap_or(0);
             self.plan_caching(
                 request,
                 state.map_or(&[][..], |s| &s.blocks),
@@ -485,8 +504,7 @@ impl KVCacheManager {
             entry.blocks.extend_from_slice(&hits);
             entry.num_cached = Some(entry.blocks.len());
             if counts.num_external > 0 {
-                let n = blocks_for(counts.total_computed, self.block_size)
-                    .saturating_sub(entry.blocks.len());
+                let n = blocks_for(adopted, self.block_size).saturating_sub(entry.blocks.len());
                 self.pool.get_new_blocks_into(n, &mut entry.blocks)?;
             }
         }
@@ -504,6 +522,9 @@ impl KVCacheManager {
             self.pool.cache_ids(blocks, &plan.hashes, GROUP_ID)?;
             entry.num_cached = Some(plan.range.end);
             Self::record_stored(self.pool.events_mut(), &plan);
+        }
+        if caches_past_table {
+            self.cache_blocks(request, signed(cache_tokens))?;
         }
         Ok(Some(allocated))
     }
@@ -671,7 +692,14 @@ impl KVCacheManager {
         }
         let hits = self.check_hits(new_computed_blocks)?;
         let state = self.requests.get(request_id);
-        self.check_adoption(request_id, state, &hits, false)?;
+        if self.strict() {
+            self.check_adoption(request_id, state, &hits, false)?;
+        } else if !hits.is_empty() && state.is_some_and(|s| s.num_cached.is_some()) {
+            // vLLM's only assert here: a running request has no new prefix hits.
+            return Err(Error::Assertion(format!(
+                "request {request_id} is running, so it has no new prefix-cache hits"
+            )));
+        }
         let held = state.map_or(0, |s| s.blocks.len());
         Ok(self.blocks_to_take(held, &hits)(blocks_for(
             num_tokens,
@@ -746,25 +774,26 @@ impl KVCacheManager {
     /// # Errors
     /// [`Error::UnknownBlock`] for an id out of range (vLLM: an id below
     /// `-num_blocks`); [`Error::Assertion`] (vLLM) for an id of `num_blocks` or more.
+    /// A strict manager evicts nothing then; vLLM's has evicted the ids before it.
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
         if self.strict() {
             return self.pool.evict_blocks(block_ids);
         }
+        // vLLM evicts in the given order and stops at the first id it refuses, the
+        // ones before it evicted.
         let n = i64::from(self.pool.num_blocks());
-        let ids = block_ids
-            .iter()
-            .map(|&id| {
-                if id >= n {
-                    return Err(Error::Assertion(format!(
-                        "Invalid block_id {id} >= {n}. This indicates a bug in the KV \
-                         connector - workers should only report block IDs that were \
-                         allocated by the scheduler."
-                    )));
-                }
-                Ok(if id < 0 { id.saturating_add(n) } else { id })
-            })
-            .collect::<Result<Vec<i64>>>()?;
-        self.pool.evict_blocks(&ids)
+        let mut removed = Vec::new();
+        for &id in block_ids {
+            if id >= n {
+                return Err(Error::Assertion(format!(
+                    "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
+                     workers should only report block IDs that were allocated by the scheduler."
+                )));
+            }
+            let id = if id < 0 { id.saturating_add(n) } else { id };
+            removed.extend(self.pool.evict_blocks(&[id])?);
+        }
+        Ok(removed)
     }
 
     /// [`BlockPool::reset_prefix_cache`]; on success also marks the stats as reset.
@@ -858,12 +887,6 @@ impl KVCacheManager {
         self.stats.as_mut().map(std::mem::take)
     }
 
-    /// The stats being accumulated since the last [`Self::make_prefix_cache_stats`];
-    /// `None` without stats logging.
-    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
-        self.stats
-    }
-
     /// Checks the pool's invariants and the tables against it.
     ///
     /// # Errors
@@ -929,16 +952,18 @@ impl KVCacheManager {
             return Err(Error::InvalidArgument(NOTHING_TO_PLACE.to_owned()));
         }
         let cap = |n: i64| self.max_model_len.map_or(n, |m| n.min(signed(m)));
-        let total_computed = cap(request
+        let adopted_tokens = request
             .num_computed_tokens
             .saturating_add(args.num_new_computed_tokens)
-            .saturating_add(num_external));
+            .saturating_add(num_external);
+        let total_computed = cap(adopted_tokens);
         let main_tokens = total_computed.saturating_add(num_new);
         let slot_tokens = cap(main_tokens.saturating_add(args.num_lookahead_tokens));
         Ok(SlotCounts {
             num_tokens: request.num_tokens,
             num_external,
             total_computed,
+            adopted_tokens,
             main_tokens,
             required: blocks_for(slot_tokens, self.block_size),
             full_sequence: blocks_for(cap(request.num_tokens), self.block_size),
@@ -1025,7 +1050,8 @@ impl KVCacheManager {
     ) -> Result<Option<CachePlan>> {
         let num_hashes = request.block_hashes.num_hashes();
         // vLLM: min(num_tokens, len(block_hashes) * block_size) // block_size, never
-        // past the table (only reachable when max_model_len caps the slots).
+        // past the table (reachable when max_model_len caps the slots, or, for vLLM's
+        // callers, with a negative lookahead; those cache after the allocation instead).
         let full = (num_tokens / self.block_size)
             .min(num_hashes)
             .min(table_len);
@@ -1036,7 +1062,11 @@ impl KVCacheManager {
             .get(num_cached..full.min(table.len()))
             .and_then(|existing| existing.iter().find(|&&b| self.pool.block_is_cached(b)))
         {
-            return Err(Error::AlreadyHashed { block_id: block });
+            return Err(if self.strict() {
+                Error::AlreadyHashed { block_id: block }
+            } else {
+                Error::Assertion(format!("block {block} already has a hash"))
+            });
         }
         let mut hashes = Vec::with_capacity(full - num_cached);
         request.block_hashes.hashes(num_cached..full, &mut hashes)?;

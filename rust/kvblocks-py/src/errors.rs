@@ -5,7 +5,7 @@
 //! reference reproduces word for word.
 
 use kvblocks_core::{Error, ErrorKind};
-use pyo3::exceptions::{PyAssertionError, PyIndexError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyIndexError, PyOverflowError, PyValueError};
 use pyo3::PyErr;
 
 pyo3::import_exception!(kvblocks.errors, NoFreeBlocksError);
@@ -26,6 +26,7 @@ pub fn to_py(err: &Error) -> PyErr {
         ErrorKind::Invariant => InvariantError::new_err(msg),
         ErrorKind::Assertion => PyAssertionError::new_err(msg),
         ErrorKind::Index => PyIndexError::new_err(msg),
+        ErrorKind::Overflow => PyOverflowError::new_err(msg),
     }
 }
 

@@ -13,8 +13,8 @@ use std::ops::Range;
 
 use hashbrown::HashMap;
 use kvblocks_core::manager::{Lookup, SlotRequest, Tolerance};
-use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::pool::{BlockInfo, NULL_BLOCK_ID};
+use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::intern;

@@ -267,7 +267,13 @@ pub fn rollback_invalid_blocks<B: BlockTable>(
     tolerance: Tolerance,
 ) -> Result<Rollback> {
     let block_size = validate(batch, invalid_block_ids, block_size, tolerance)?;
-    let keys: Vec<u64> = invalid_block_ids.iter().map(|&id| id.key()).collect();
+    // A negative id matches no table (vLLM's never hold one); a strict caller's were
+    // refused above.
+    let keys: Vec<u64> = invalid_block_ids
+        .iter()
+        .filter(|&&id| id >= 0)
+        .map(|&id| id.key())
+        .collect();
     let invalid = IdSet::from_ids(&keys);
     // `marked` is a subset of the invalid ids: sized like them, it never regrows, and
     // its zero-allocated pages cost nothing until touched. The evictions grow with the
