@@ -25,10 +25,11 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 BLOCK_SIZE = 4
-Manager = KVCacheManager | VllmKVCacheManager
+#: Either manager: the tests call vLLM's surface, which both have.
+Manager = Any
 
 
-def twins(**overrides: Any) -> tuple[VllmKVCacheManager, KVCacheManager]:
+def twins(**overrides: Any) -> tuple[Manager, Manager]:
     """vLLM's manager and kvblocks', from the same arguments."""
     kwargs: dict[str, Any] = {
         "kv_cache_config": harness.build_kv_cache_config(16, BLOCK_SIZE),
@@ -79,7 +80,7 @@ def outcome(call: Callable[[], Any]) -> Any:
 
 
 def same(
-    managers: tuple[VllmKVCacheManager, KVCacheManager],
+    managers: tuple[Manager, Manager],
     requests: dict[str, tuple[Request, Request]],
     call: Callable[[Manager, dict[str, Request]], Any],
 ) -> Any:
@@ -117,7 +118,7 @@ def block_ids_for_computed_tokens(m: Manager, _: object, *, tokens: int) -> Any:
     return m.get_block_ids_for_computed_tokens("r", tokens)
 
 
-def num_blocks_to_allocate(m: Manager, _: object, *, tokens: int) -> int:
+def num_blocks_to_allocate(m: Manager, _: object, *, tokens: int) -> Any:
     no_hits = KVCacheBlocks(([],)).blocks
     return m.coordinator.get_num_blocks_to_allocate("r", tokens, no_hits, 0, 0, 0, 0)
 
@@ -258,7 +259,8 @@ def test_caching_past_the_table_with_events_fails_as_vllm_does() -> None:
     same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 8, delay_cache_blocks=True))
     assert same(managers, reqs, lambda m, r: m.cache_blocks(r["r"], 17)) == Raised(IndexError)
     assert managers[1].get_blocks("r").get_unhashed_block_ids() == []
-    assert managers[1].take_events() == managers[0].take_events() == []
+    # `same` compared the events: none was recorded on either side.
+    assert not managers[1].take_events()
 
 
 def test_truncating_a_lookup_asserts_and_slices_as_vllm_does() -> None:
@@ -386,6 +388,6 @@ def test_the_block_count_asserts_only_for_a_running_request_with_hits() -> None:
         assert isinstance(got, int), got
 
 
-def count_with_a_hit(m: Manager, _: object, *, req_id: str) -> int:
+def count_with_a_hit(m: Manager, _: object, *, req_id: str) -> Any:
     hit = list(m.get_blocks("r").blocks[0][:1])
     return m.coordinator.get_num_blocks_to_allocate(req_id, 12, (hit,), 0, 0, 0, 0)
