@@ -9,6 +9,7 @@ as it is (vLLM's manager) and through ``with_kvblocks`` (kvblocks'), with no dif
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,13 @@ def test_vllms_classes_are_with_kvblocks_of_vllms() -> None:
     assert made.__mro__[2] is InstrumentedAsyncScheduler
     with pytest.raises(TypeError, match="subclass of vLLM's Scheduler"):
         with_kvblocks(int)  # type: ignore[arg-type]
+
+
+def test_a_made_class_pickles_as_the_same_class() -> None:
+    # vLLM may send scheduler_cls (a class, when given one) to the engine-core process.
+    made = with_kvblocks(InstrumentedAsyncScheduler)
+    assert pickle.loads(pickle.dumps(made)) is made
+    assert pickle.loads(pickle.dumps(KVBlocksScheduler)) is KVBlocksScheduler
 
 
 @pytest.mark.parametrize(

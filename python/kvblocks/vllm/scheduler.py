@@ -10,6 +10,7 @@ runs natively, with the block tables read inside Rust.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 import os
 import threading
@@ -157,6 +158,8 @@ _made: dict[type[Scheduler], type[Scheduler]] = {
     AsyncScheduler: KVBlocksAsyncScheduler,
 }
 _made_lock = threading.Lock()
+#: The metaclass of the classes made over bases of each metaclass.
+_metaclasses: dict[type, type] = {}
 
 
 def with_kvblocks(base: type[Scheduler]) -> type[Scheduler]:
@@ -195,7 +198,27 @@ def with_kvblocks(base: type[Scheduler]) -> type[Scheduler]:
                 "cache manager.",
             }
             made = types.new_class(
-                name, (KVBlocksScheduling, base), exec_body=lambda ns: ns.update(body)
+                name,
+                (KVBlocksScheduling, base),
+                {"metaclass": _picklable_metaclass(type(base))},
+                lambda ns: ns.update(body),
             )
             _made[base] = made
         return made
+
+
+def _picklable_metaclass(meta: type) -> type:
+    """A metaclass under ``meta`` whose classes pickle as ``with_kvblocks(base)``: a
+    class made here has no module-level name to be found by, and vLLM may send its
+    ``scheduler_cls`` to the engine-core process. Called under ``_made_lock``."""
+    made_meta = _metaclasses.get(meta)
+    if made_meta is None:
+        made_meta = type(f"KVBlocks{meta.__name__}", (meta,), {"__module__": __name__})
+        copyreg.pickle(made_meta, _reduce_made_class)
+        _metaclasses[meta] = made_meta
+    return made_meta
+
+
+def _reduce_made_class(cls: type) -> tuple[Any, tuple[type]]:
+    (base,) = (b for b, made in _made.items() if made is cls)
+    return with_kvblocks, (base,)
