@@ -607,13 +607,13 @@ class ManagerLockstep(RuleBasedStateMachine):
 
     @rule(
         which=LIVE_REQUEST,
-        num_new=st.one_of(st.integers(1, 4), st.integers(0, 40)),
-        lookahead=st.sampled_from([0, 0, 1, 4]),
-        ext=st.sampled_from([0, 0, 0, 1, 5]),
+        num_new=st.one_of(st.integers(1, 4), st.integers(0, 40), st.integers(-6, -1)),
+        lookahead=st.sampled_from([0, 0, 1, 4, -1, -4]),
+        ext=st.sampled_from([0, 0, 0, 1, 5, -2]),
         hits=st.sampled_from(["none", "none", "empty", "new_empty"]),
         delay=st.sampled_from([False, False, True]),
         full_fit=st.sampled_from([False, False, True]),
-        reserved=st.sampled_from([0, 0, 2]),
+        reserved=st.sampled_from([0, 0, 2, -1]),
         has_scheduled=st.booleans(),
         advance=st.booleans(),
     )
@@ -922,7 +922,7 @@ class ManagerLockstep(RuleBasedStateMachine):
 
         self.both("coordinator.get_num_blocks_to_allocate", call)
 
-    @rule(ids=st.sets(st.integers(0, 13), max_size=4))
+    @rule(ids=st.sets(st.integers(-14, 14), max_size=4))
     def evict_blocks(self, ids: set[int]) -> None:
         """A connector reports blocks whose KV is invalid (any id, cached or not)."""
         self.both("evict_blocks", lambda s: s.manager.evict_blocks(set(ids)))
@@ -1012,7 +1012,10 @@ class ManagerLockstep(RuleBasedStateMachine):
         m = side.manager
         pool = m.block_pool
         tables = {rid: m.get_blocks(rid) for rid in (*SLOT_IDS, GHOST_ID)}
-        return m.usage, pool.get_num_free_blocks(), pool.get_usage(), tables
+        group = m.coordinator.single_type_managers[0]
+        # Which requests vLLM tracks, and how many of their blocks it counts as cached.
+        tracked = sorted(group.req_to_blocks), dict(group.num_cached_block)
+        return m.usage, pool.get_num_free_blocks(), pool.get_usage(), tables, tracked
 
     @staticmethod
     def _hash_views(side: Side) -> Any:
