@@ -8,6 +8,14 @@ connector metadata), the ``EngineCoreOutputs`` (tokens, finish reasons, ``prefil
 ``SchedulerStats`` with ``kv_cache_usage`` and prefix-cache stats), the published KV events
 and the results of ``reset_prefix_cache`` must be equal.
 
+The base families (``harness.BASE_FAMILIES``) run ``SEEDS_PER_FAMILY`` seeds per engine;
+the combination families (``harness.COMBINATION_FAMILIES``: ``async-spec-fail``,
+``priority``, ``small-blocks``, ``combined``) run ``COMBINATION_SEEDS`` in CI, and
+``KVBLOCKS_DIFF_SEEDS=N`` runs N seeds per engine of each of them instead (an opt-in soak;
+``KVBLOCKS_DIFF_SEEDS=2000 pytest tests/vllm/test_differential.py -k combined`` runs the
+``combined`` family alone). Each combination family must reach the paths it exists for
+(``COMBINATION_REQUIRED``, counted on vLLM's runs).
+
 ``KVBLOCKS_DIFF_CANDIDATE=stock`` runs vLLM's class on both sides (a self-check of the
 harness). A failure prints the step, each differing field with both values, and the command
 that replays the scenario alone.
@@ -32,17 +40,38 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 SEEDS_PER_FAMILY = 20
+#: Seeds per engine of each combination family in CI.
+COMBINATION_SEEDS = {"async-spec-fail": 100, "priority": 40, "small-blocks": 40, "combined": 100}
 CANDIDATE = os.environ.get("KVBLOCKS_DIFF_CANDIDATE", "kvblocks")
+
+
+def _combination_seeds() -> dict[str, int]:
+    """``COMBINATION_SEEDS``, or ``KVBLOCKS_DIFF_SEEDS`` seeds for every combination family."""
+    text = os.environ.get("KVBLOCKS_DIFF_SEEDS", "").strip()
+    if not text:
+        return COMBINATION_SEEDS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"KVBLOCKS_DIFF_SEEDS must be a positive integer, not {text!r}")
+    return dict.fromkeys(harness.COMBINATION_FAMILIES, int(text))
+
+
+SEEDS = {**dict.fromkeys(harness.BASE_FAMILIES, SEEDS_PER_FAMILY), **_combination_seeds()}
 
 SCENARIO_IDS = [
     f"{family}-s{seed}-{engine}"
     for family in harness.FAMILIES
-    for engine in harness.ENGINES
-    for seed in range(SEEDS_PER_FAMILY)
+    for engine in harness.FAMILY_ENGINES[family]
+    for seed in range(SEEDS[family])
 ]
 
 #: What the reference runs exercised, by engine; checked once every scenario has run.
 COVERAGE: dict[str, Counter[str]] = {engine: Counter() for engine in harness.ENGINES}
+#: The same, by family and engine.
+FAMILY_COVERAGE: dict[tuple[str, str], Counter[str]] = {
+    (family, engine): Counter()
+    for family in harness.FAMILIES
+    for engine in harness.FAMILY_ENGINES[family]
+}
 SEEN: set[str] = set()
 
 
@@ -79,11 +108,12 @@ def test_same_as_vllm(scenario_id: str, tiny_model_dir: Path, candidate: str) ->
     scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
     reference, other, mismatch = harness.differential(scn, tiny_model_dir, candidate)
     COVERAGE[scn.engine].update(reference.coverage)
+    FAMILY_COVERAGE[scn.family, scn.engine].update(reference.coverage)
     SEEN.add(scenario_id)
     assert "exception" not in reference.records[-1], (
         f"{scenario_id}: vLLM's own scheduler raised: {reference.records[-1]['exception']}"
     )
-    assert reference.finished or reference.stalled, (
+    assert reference.finished or reference.stalled or reference.livelocked, (
         f"{scenario_id}: vLLM's own scheduler did not finish in {scn.max_steps} steps"
     )
     _assert_kvblocks_manager(other, candidate)
@@ -167,6 +197,73 @@ def test_scenarios_cover_every_path() -> None:
         required = REQUIRED_EVERYWHERE + (REQUIRED_ASYNC if engine == "async" else ())
         missing = [key for key in required if not counts[key]]
         assert not missing, f"{engine} scenarios never reached {missing}: {dict(counts)}"
+
+
+#: The spec-decode and connector-failure paths overlapping batches take together: vLLM
+#: calls ``cache_blocks`` with a negative count when a sync load's invalid blocks cut back a
+#: request that a later, already scheduled batch holds tokens of (``invalid_sync_in_flight``),
+#: and its invalid-block scan meets requests with fewer computed tokens than the reported
+#: batch scheduled (``invalid_scan_behind``).
+_ASYNC_SPEC_FAIL = (
+    "call:cache_blocks_negative",
+    "invalid_sync_in_flight_spec",
+    "invalid_scan_behind",
+    "spec_rejected",
+    "invalid_with_spec:recompute",
+    "invalid_with_spec:fail",
+    "failed_recving:recompute",
+    "failed_recving:fail",
+    "finished_error",
+    "deferred_frees_pending",
+)
+_PRIORITY = ("preempted:priority", "stats_preempted", "resumed", "prefix_hit")
+_SMALL_BLOCKS = ("preempted:bs1", "preempted:bs2", "prefix_hit", "spec_rejected")
+#: What each combination family reaches on each engine (on vLLM's runs, over its seeds).
+COMBINATION_REQUIRED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("async-spec-fail", "async"): _ASYNC_SPEC_FAIL,
+    ("priority", "sync"): _PRIORITY,
+    ("priority", "async"): _PRIORITY,
+    ("small-blocks", "sync"): _SMALL_BLOCKS,
+    ("small-blocks", "async"): _SMALL_BLOCKS,
+    ("combined", "sync"): (
+        "preempted:priority",
+        "preempted:bs1",
+        "spec_rejected",
+        "invalid_with_spec:recompute",
+        "invalid_with_spec:fail",
+    ),
+    ("combined", "async"): (
+        "call:cache_blocks_negative",
+        "preempted:priority",
+        "preempted:bs1",
+        "spec_rejected",
+        "invalid_with_spec:recompute",
+        "invalid_with_spec:fail",
+    ),
+}
+
+
+def test_combination_families_reach_their_paths() -> None:
+    """Each combination family, on each engine whose scenarios all ran, reached the paths
+    it exists for (on vLLM's runs): a negative ``cache_blocks`` count, spec-decode rejections
+    with overlapping batches, invalid blocks while spec decode runs, priority preemptions,
+    preemptions with blocks of 1 and 2 tokens."""
+    assert set(COMBINATION_REQUIRED) == {
+        (family, engine)
+        for family in harness.COMBINATION_FAMILIES
+        for engine in harness.FAMILY_ENGINES[family]
+    }
+    complete = [
+        (family, engine)
+        for family, engine in COMBINATION_REQUIRED
+        if all(f"{family}-s{seed}-{engine}" in SEEN for seed in range(SEEDS[family]))
+    ]
+    if not complete:
+        pytest.skip("needs every scenario of a combination family to have run first")
+    for family, engine in complete:
+        counts = FAMILY_COVERAGE[family, engine]
+        missing = [key for key in COMBINATION_REQUIRED[family, engine] if not counts[key]]
+        assert not missing, f"{family}/{engine} scenarios never reached {missing}: {dict(counts)}"
 
 
 # --------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def hashes(*seeds: int) -> list[bytes]:
     return [bytes([s]) * 32 for s in seeds]
 
 
-def request(req_id: str, num_tokens: int, block_hashes: list[bytes]) -> SimpleNamespace:
+def request(req_id: str, num_tokens: int, block_hashes: list[bytes]) -> Any:
     return SimpleNamespace(
         request_id=req_id,
         num_tokens=num_tokens,
