@@ -204,6 +204,8 @@ class Side:
         self.hits: list[Any] = [[], 0]
         #: Exact-str request ids seen, whose manager block tables the snapshot reads.
         self.request_ids: list[str] = []
+        #: The current call's named arguments (``hostile`` ``named``/``mutator_of``).
+        self.names: dict[str, Any] = {}
         self.depth = 0
 
     # ------------------------------------------------------------------ steps
@@ -225,6 +227,9 @@ class Side:
         """Runs one step on this side and does its bookkeeping; returns the result."""
         target = self.target(step)
         name = step["op"].split(".", 1)[1]
+        # A fresh registry per call (rebound, so that a re-entrant call does not clear
+        # the one its caller's arguments refer to).
+        self.names = {}
         args = build_all(step.get("args", []), self)
         kwargs = {k: build(v, self) for k, v in step.get("kwargs", [])}
         if name.startswith("@"):

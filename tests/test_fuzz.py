@@ -407,12 +407,22 @@ def pool_steps(draw: st.DrawFn) -> Step:
                 ),
             )
         )
+        # Now and then a count's __index__ changes the ids or the hashes (read after
+        # the ints in both backends).
+        num_full = draw(
+            mostly(
+                ints(0, 6),
+                st.sampled_from(["ids", "hashes"]).flatmap(
+                    lambda name: h.mutators_of(name, st.integers(0, 6))
+                ),
+            )
+        )
         return step(
             "pool.cache_full_blocks",
-            draw(table_arg()),
-            hash_arg,
+            ["named", "ids", draw(table_arg())],
+            ["named", "hashes", hash_arg],
             draw(ints(0, 4)),
-            draw(ints(0, 6)),
+            num_full,
             draw(mostly(st.sampled_from([0, 1, 7]), hostile_ints(st.just(0)))),
         )
     if kind == "lookup":
@@ -424,11 +434,14 @@ def pool_steps(draw: st.DrawFn) -> Step:
             st.one_of(
                 st.just(["list", hash_list]),
                 h.lying_lengths(hash_list),
+                h.lying_hints(hash_list),
+                h.changing_sequences(hash_list),
                 h.disagreeing_sequences(hash_list, st.lists(hashes(), max_size=4)),
                 h.reentrant_sequences(hash_list, reentrant_calls("pool")),
             )
         )
-        return step("pool.find_longest_cache_hit", seq, draw(ints(0, 1)))
+        group = draw(mostly(ints(0, 1), h.mutators_of("hashes", st.integers(0, 1))))
+        return step("pool.find_longest_cache_hit", ["named", "hashes", seq], group)
     if kind == "evict":
         return step("pool.evict_blocks", draw(item_lists(block_ids())))
     if kind == "reset":
@@ -695,7 +708,8 @@ def manager_steps(draw: st.DrawFn, block_size: int) -> list[Step]:
     if kind == "new":
         return [draw(new_request("manager"))]
     if kind == "admit":
-        lookahead = draw(ints(0, 2))
+        # Now and then the lookahead's __index__ changes the hit list (read after it).
+        lookahead = draw(mostly(ints(0, 2), h.mutators_of("hits", st.integers(0, 2))))
         return [
             step("mgr.get_computed_blocks", req, save="hits"),
             step(
@@ -703,7 +717,11 @@ def manager_steps(draw: st.DrawFn, block_size: int) -> list[Step]:
                 req,
                 draw(mostly(st.just(["todo", k, 0]), hostile_ints(st.just(1)))),
                 ["hit_tokens"],
-                draw(mostly(st.just(["hit_ids"]), item_lists(block_ids()))),
+                [
+                    "named",
+                    "hits",
+                    draw(mostly(st.just(["hit_ids"]), item_lists(block_ids()))),
+                ],
                 lookahead,
                 draw(mostly(st.just(0), ints(0, 4))),
                 draw(flags()),
@@ -812,13 +830,22 @@ def rollback_steps(draw: st.DrawFn) -> Step:
     invalid = draw(item_lists(block_ids(8)))
     if kind == "primitive":
         tables = draw(item_lists(item_lists(block_ids(8), 4), 3))
+        # Now and then block_size's __index__ changes a column (read after it).
+        size = draw(
+            mostly(
+                ints(1, 4),
+                st.sampled_from(["tables", "computed", "scheduled", "invalid"]).flatmap(
+                    lambda name: h.mutators_of(name, st.integers(1, 4))
+                ),
+            )
+        )
         return step(
             "mod.rollback_invalid_blocks",
-            tables,
-            draw(item_lists(ints(0, 12), 3)),
-            draw(item_lists(ints(0, 4), 3)),
-            invalid,
-            draw(ints(1, 4)),
+            ["named", "tables", tables],
+            ["named", "computed", draw(item_lists(ints(0, 12), 3))],
+            ["named", "scheduled", draw(item_lists(ints(0, 4), 3))],
+            ["named", "invalid", invalid],
+            size,
             kwargs=[["collect_evictions", draw(flags())], ["mode", draw(modes())]],
         )
     requests = draw(item_lists(rollback_requests(), 4))
@@ -955,8 +982,21 @@ def constructor_steps(draw: st.DrawFn) -> Step:
         )
     int_list = item_lists(ints(0, 3), 3)
     if kind == "rollback_result":
+        # Now and then the total's __index__ changes a list read before or after it.
+        total = draw(
+            mostly(
+                ints(0, 3),
+                st.sampled_from(["computed", "evict"]).flatmap(
+                    lambda name: h.mutators_of(name, st.integers(0, 3))
+                ),
+            )
+        )
         return step(
-            "mod.RollbackResult", draw(int_list), draw(int_list), draw(ints(0, 3)), draw(int_list)
+            "mod.RollbackResult",
+            ["named", "computed", draw(int_list)],
+            draw(int_list),
+            total,
+            ["named", "evict", draw(int_list)],
         )
     id_sets = st.lists(request_ids(), max_size=2).map(lambda xs: ["set", xs])
     return step(
