@@ -32,6 +32,7 @@ import faulthandler
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ MEMORY_LIMIT = 6 * 2**30
 #: Hashes looked up in every snapshot (the fuzzer's hashes are drawn from these).
 PROBE_HASHES = [b"\x01" * 32, b"\x02" * 32, b"\x03" * 16, b"", b"\x05" * 7]
 
+#: `` at 0x7f...`` in a default ``repr``: normalised out of error messages.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
 #: Outcome: ``["ok", plain result]`` or ``["error", class name, message]``.
 Outcome = list[Any]
 
@@ -77,7 +81,8 @@ def outcome(call: Callable[[], Any]) -> Outcome:
             message = str(exc)
         except Exception:  # a hostile object's message may not render
             message = "<unprintable>"
-        return ["error", _type_name(exc), message]
+        # Each side builds its own objects: a repr's address names no difference.
+        return ["error", _type_name(exc), _ADDRESS.sub(" at 0x?", message)]
 
 
 def plain(value: Any, depth: int = 0) -> Any:

@@ -852,7 +852,7 @@ def rollback_steps(draw: st.DrawFn) -> Step:
     if kind == "primitive" and draw(st.booleans()):
         # Valid columns, one of which a hostile value changes or sizes: block_size's
         # __index__ changing a column (read after it), or a column changing itself.
-        columns = [
+        columns: list[list[Any]] = [
             ["list", [["list", draw(st.lists(st.integers(0, 8), max_size=4))]]],
             ["list", [draw(st.integers(0, 12))]],
             ["list", [draw(st.integers(0, 4))]],
