@@ -58,8 +58,8 @@ MEMORY_LIMIT = 6 * 2**30
 #: Hashes looked up in every snapshot (the fuzzer's hashes are drawn from these).
 PROBE_HASHES = [b"\x01" * 32, b"\x02" * 32, b"\x03" * 16, b"", b"\x05" * 7]
 
-#: An object's address in a default repr (``<object object at 0x7f...>``).
-ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+#: `` at 0x7f...`` in a default ``repr``: normalised out of error messages.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 #: Outcome: ``["ok", plain result]`` or ``["error", class name, message]``.
 Outcome = list[Any]
@@ -78,11 +78,11 @@ def outcome(call: Callable[[], Any]) -> Outcome:
         raise
     except BaseException as exc:  # the point is to compare whatever is raised
         try:
-            # Each backend gets its own fresh arguments: their addresses differ.
-            message = ADDRESS.sub(" at 0x…", str(exc))
+            message = str(exc)
         except Exception:  # a hostile object's message may not render
             message = "<unprintable>"
-        return ["error", _type_name(exc), message]
+        # Each side builds its own objects: a repr's address names no difference.
+        return ["error", _type_name(exc), _ADDRESS.sub(" at 0x?", message)]
 
 
 def plain(value: Any, depth: int = 0) -> Any:
@@ -209,6 +209,8 @@ class Side:
         self.hits: list[Any] = [[], 0]
         #: Exact-str request ids seen, whose manager block tables the snapshot reads.
         self.request_ids: list[str] = []
+        #: The current call's named arguments (``hostile`` ``named``/``mutator_of``).
+        self.names: dict[str, Any] = {}
         self.depth = 0
 
     # ------------------------------------------------------------------ steps
@@ -230,6 +232,9 @@ class Side:
         """Runs one step on this side and does its bookkeeping; returns the result."""
         target = self.target(step)
         name = step["op"].split(".", 1)[1]
+        # A fresh registry per call (rebound, so that a re-entrant call does not clear
+        # the one its caller's arguments refer to).
+        self.names = {}
         args = build_all(step.get("args", []), self)
         kwargs = {k: build(v, self) for k, v in step.get("kwargs", [])}
         if name.startswith("@"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any, Protocol, TypeAlias
@@ -47,12 +48,19 @@ class HostileError(Exception):
 class Side(Protocol):
     """The backend a value is built for, as re-entrant recipes need it."""
 
+    #: Values of the call being built, by name (``["named", ...]``), for recipes that
+    #: change another argument of the same call (``["mutator_of", ...]``).
+    names: dict[str, Any]
+
     def reenter(self, call: Recipe) -> Any:
         """Performs ``call`` (a fuzz step, see ``tests/fuzz_child.py``) on this backend."""
         ...
 
 
 class _NoSide:
+    def __init__(self) -> None:
+        self.names: dict[str, Any] = {}
+
     def reenter(self, call: Recipe) -> Any:
         raise HostileError(f"no backend to re-enter for {call!r}")
 
@@ -357,9 +365,10 @@ class _LyingLength:
 
 
 class _LyingHint:
-    """An iterator over ``items`` whose ``__length_hint__`` claims ``hint``."""
+    """An iterator over ``items`` whose ``__length_hint__`` returns ``hint`` (raises for
+    ``"raise"``)."""
 
-    def __init__(self, items: list[Any], hint: int) -> None:
+    def __init__(self, items: list[Any], hint: Any) -> None:
         self._it = iter(items)
         self._hint = hint
 
@@ -370,7 +379,10 @@ class _LyingHint:
         return next(self._it)
 
     def __length_hint__(self) -> int:
-        return self._hint
+        if self._hint == "raise":
+            raise HostileError("__length_hint__ raised")
+        hint: int = self._hint
+        return hint
 
 
 def _raising_gen(items: list[Any], after: int) -> Iterator[Any]:
@@ -428,7 +440,11 @@ def _count(items: Recipe) -> int:
 
 
 #: Lengths a lying ``__len__`` / ``__length_hint__`` claims: huge, and negative.
-LYING_LENGTHS = [0, 1, 7, 2**31, 2**40, 2**62, 2**63 - 1, -1]
+LYING_LENGTHS = [0, 1, 7, 2**31, 10**11, 2**40, 2**62, 2**63 - 1, -1]
+
+#: What a lying ``__length_hint__`` may also do: claim past 64 bits, return a non-int,
+#: raise (``list()`` would fail on each; a reader must not ask).
+LYING_HINTS = [*LYING_LENGTHS, 2**63, 2**100, 1.5, "raise"]
 
 
 def one_shot_iterables(items: Recipe) -> st.SearchStrategy[Recipe]:
@@ -449,8 +465,148 @@ def lying_lengths(items: Recipe) -> st.SearchStrategy[Recipe]:
 
 
 def lying_hints(items: Recipe) -> st.SearchStrategy[Recipe]:
-    """An iterator over ``items`` whose ``__length_hint__`` lies (huge or negative)."""
-    return st.sampled_from(LYING_LENGTHS).map(lambda n: ["lying_hint", items, n])
+    """An iterator over ``items`` whose ``__length_hint__`` lies: huge, past 64 bits,
+    negative, off by one, not an int, or raising."""
+    return st.sampled_from([*LYING_HINTS, _count(items) + 1]).map(
+        lambda n: ["lying_hint", items, n]
+    )
+
+
+# --------------------------------------------------------------------------- changing lists
+
+#: How a list changes while it is read: what the hook does to it.
+CHANGES = ["grow", "shrink", "replace"]
+
+#: What a growing list appends, or a replacing one writes: a copy of its first item (a
+#: valid value, so reading it shows in the result) or a string (reading it fails).
+PAYLOADS = ["dup", "bad"]
+
+
+def _change(target: Any, change: str, payload: str) -> None:
+    """Applies ``change`` to the list ``target`` (nothing for any other value)."""
+    if not isinstance(target, list):
+        return
+    extra = (target[0] if target else 0) if payload == "dup" else "bad"
+    extra = extra.value if isinstance(extra, _Mutator) else extra
+    if change == "grow":
+        target.append(extra)
+    elif change == "shrink" and target:
+        del target[-1]
+    elif change == "replace" and target:
+        target[-1] = extra
+
+
+class _Mutator:
+    """An item standing for ``value`` whose ``__index__`` first changes a list: the one it
+    sits in, or another argument of the same call (looked up by name when it runs)."""
+
+    def __init__(self, value: Any, target: Callable[[], Any], change: str, payload: str):
+        self.value = value
+        self._target = target
+        self._change = change
+        self._payload = payload
+
+    def __index__(self) -> int:
+        _change(self._target(), self._change, self._payload)
+        result: int = operator.index(self.value)
+        return result
+
+    def __repr__(self) -> str:
+        return f"Mutator({self.value!r}, {self._change})"
+
+
+@builder("mutating")
+def _build_mutating(params: list[Any], side: Side) -> list[Any]:
+    """``["mutating", items, at, change, payload]``: a list of ``items`` whose item ``at``
+    (modulo the length) changes the list when its ``__index__`` runs."""
+    items, at, change, payload = params
+    made = build_all(items, side)
+    if made:
+        i = at % len(made)
+        made[i] = _Mutator(made[i], lambda: made, change, payload)
+    return made
+
+
+class _ChangingSequence(Sequence[Any]):
+    """A registered ``Sequence`` of ``items`` that changes itself on its first read
+    (``__len__``, ``__getitem__`` or ``__iter__``): read by index or by ``list()``, a
+    reader sees different items."""
+
+    def __init__(self, items: list[Any], change: str, payload: str) -> None:
+        self._items = items
+        self._pending: tuple[str, str] | None = (change, payload)
+
+    def _read(self) -> list[Any]:
+        if self._pending is not None:
+            change, payload = self._pending
+            self._pending = None
+            _change(self._items, change, payload)
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._read()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._read()))
+
+
+@builder("changing_seq")
+def _build_changing_seq(params: list[Any], side: Side) -> _ChangingSequence:
+    items, change, payload = params
+    return _ChangingSequence(build_all(items, side), change, payload)
+
+
+@builder("named")
+def _build_named(params: list[Any], side: Side) -> Any:
+    """``["named", name, recipe]``: ``recipe``'s value, which ``mutator_of`` can change."""
+    name, recipe = params
+    value = build(recipe, side)
+    side.names[name] = value
+    return value
+
+
+@builder("mutator_of")
+def _build_mutator_of(params: list[Any], side: Side) -> _Mutator:
+    """``["mutator_of", name, value, change, payload]``: ``value`` as an int-like whose
+    ``__index__`` first changes the call's ``named`` list ``name`` (whichever argument is
+    read first)."""
+    name, value, change, payload = params
+    names = side.names
+    return _Mutator(build(value, side), lambda: names.get(name), change, payload)
+
+
+def mutating_lists(items: Recipe) -> st.SearchStrategy[Recipe]:
+    """A list of ``items`` one of whose items grows, shrinks or rewrites it from its
+    ``__index__`` (a reader converting items from the live list sees the change)."""
+    return st.builds(
+        lambda at, change, payload: ["mutating", items, at, change, payload],
+        st.integers(0, 5),
+        st.sampled_from(CHANGES),
+        st.sampled_from(PAYLOADS),
+    )
+
+
+def changing_sequences(items: Recipe) -> st.SearchStrategy[Recipe]:
+    """A ``Sequence`` of ``items`` that grows, shrinks or rewrites itself when first read
+    (read by index, it differs from what ``list()`` gives)."""
+    return st.builds(
+        lambda change, payload: ["changing_seq", items, change, payload],
+        st.sampled_from(CHANGES),
+        st.sampled_from(PAYLOADS),
+    )
+
+
+def mutators_of(name: str, values: st.SearchStrategy[Recipe]) -> st.SearchStrategy[Recipe]:
+    """Int-likes (from ``values``) whose ``__index__`` changes the call's list ``name``."""
+    return st.builds(
+        lambda v, change, payload: ["mutator_of", name, v, change, payload],
+        values,
+        st.sampled_from(CHANGES),
+        st.sampled_from(PAYLOADS),
+    )
 
 
 def disagreeing_sequences(
@@ -495,7 +651,8 @@ def _build_ndarray(params: list[Any], side: Side) -> Any:
 
 
 def iterables_of(items: Recipe) -> st.SearchStrategy[Recipe]:
-    """``items`` as a list, tuple, one-shot iterator, raising or lying iterable."""
+    """``items`` as a list, tuple, one-shot iterator, raising or lying iterable, or a list
+    or sequence that changes itself while it is read."""
     return st.one_of(
         st.just(["list", items]),
         st.just(["tuple", items]),
@@ -503,6 +660,8 @@ def iterables_of(items: Recipe) -> st.SearchStrategy[Recipe]:
         raising_iterables(items),
         lying_lengths(items),
         lying_hints(items),
+        mutating_lists(items),
+        changing_sequences(items),
     )
 
 

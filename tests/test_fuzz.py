@@ -204,18 +204,24 @@ def flags() -> st.SearchStrategy[Recipe]:
 HASHES = PROBE_HASHES
 
 
-def hashes() -> st.SearchStrategy[Recipe]:
-    """A block hash, or a subclass with lying dunders, a wrong type, an over-long one."""
-    valid = st.sampled_from([h.bytes_recipe(x) for x in HASHES])
-    return mostly(
-        valid,
-        st.one_of(
-            h.bytes_subclasses(st.sampled_from(HASHES)),
-            st.just(h.bytes_recipe(b"z" * 33)),
-            st.just(["bytearray", "0101"]),
-            h.wrong_types(),
-        ),
+def valid_hashes() -> st.SearchStrategy[Recipe]:
+    """A block hash the snapshot probes."""
+    return st.sampled_from([h.bytes_recipe(x) for x in HASHES])
+
+
+def hostile_hashes() -> st.SearchStrategy[Recipe]:
+    """A subclass with lying dunders, a wrong type, an over-long hash."""
+    return st.one_of(
+        h.bytes_subclasses(st.sampled_from(HASHES)),
+        st.just(h.bytes_recipe(b"z" * 33)),
+        st.just(["bytearray", "0101"]),
+        h.wrong_types(),
     )
+
+
+def hashes() -> st.SearchStrategy[Recipe]:
+    """A block hash, or now and then a hostile one."""
+    return mostly(valid_hashes(), hostile_hashes())
 
 
 def sequence_forms() -> st.SearchStrategy[Recipe]:
@@ -250,7 +256,12 @@ def tokens() -> st.SearchStrategy[Recipe]:
     return st.tuples(prefixes, tails).flatmap(
         lambda pt: mostly(
             st.just(["list", [*pt[0], *pt[1]]]),
-            h.int_iterables([*pt[0], *pt[1]]),
+            st.one_of(
+                h.int_iterables([*pt[0], *pt[1]]),
+                # Weighted up: the forms a reader must snapshot, or must not size from.
+                h.mutating_lists([*pt[0], *pt[1]]),
+                h.lying_hints([*pt[0], *pt[1]]),
+            ),
         )
     )
 
@@ -360,6 +371,11 @@ def reentrant_calls(area: str) -> st.SearchStrategy[Recipe]:
     )
 
 
+def valid_table_arg() -> st.SearchStrategy[Recipe]:
+    """One of the pool's held tables, as a list."""
+    return st.builds(lambda k: ["table", k, False, ["list", "$ids"]], st.integers(0, 5))
+
+
 def table_arg(take: bool = False) -> st.SearchStrategy[Recipe]:
     """One of the pool's held tables, in any iterable form."""
     return st.builds(lambda k, form: ["table", k, take, form], st.integers(0, 5), sequence_forms())
@@ -396,24 +412,39 @@ def pool_steps(draw: st.DrawFn) -> Step:
         k = draw(st.integers(0, 5))
         return step("pool.touch", ["table", k, False, draw(sequence_forms())], hold=k)
     if kind == "cache":
-        hash_list = draw(st.lists(hashes(), max_size=6))
-        hash_arg = draw(
-            mostly(
-                st.just(["list", hash_list]),
-                st.one_of(
-                    h.iterables_of(hash_list),
-                    h.disagreeing_sequences(hash_list, st.lists(hashes(), max_size=6)),
-                    h.reentrant_sequences(hash_list, reentrant_calls("pool")),
-                ),
+        # One argument at most is hostile, chosen first: drawn independently, most
+        # cache steps had several faults and were filtered out.
+        where = draw(st.sampled_from(["none", "none", "ids", "hash", "hashes", "ints", "mutator"]))
+        hash_list = draw(st.lists(valid_hashes(), max_size=6))
+        if where == "hash" and hash_list:
+            i = draw(st.integers(0, len(hash_list) - 1))
+            hash_list[i] = h.fault(draw(hostile_hashes()))
+        hash_arg: Recipe = ["list", hash_list]
+        if where == "hashes":
+            hash_arg = h.fault(
+                draw(
+                    st.one_of(
+                        h.iterables_of(hash_list),
+                        h.disagreeing_sequences(hash_list, st.lists(valid_hashes(), max_size=6)),
+                        h.reentrant_sequences(hash_list, reentrant_calls("pool")),
+                    )
+                )
             )
-        )
+        table = draw(table_arg()) if where == "ids" else draw(valid_table_arg())
+        counts = [draw(st.integers(0, 4)), draw(st.integers(0, 6)), draw(st.sampled_from([0, 1]))]
+        if where == "ints":
+            i = draw(st.integers(0, 2))
+            counts[i] = h.fault(draw(hostile_ints(st.just(counts[i]))))
+        elif where == "mutator":
+            # A count's __index__ changes the ids or the hashes (read after the ints in
+            # both backends).
+            name = draw(st.sampled_from(["ids", "hashes"]))
+            counts[1] = h.fault(draw(h.mutators_of(name, st.integers(1, 4))))
         return step(
             "pool.cache_full_blocks",
-            draw(table_arg()),
-            hash_arg,
-            draw(ints(0, 4)),
-            draw(ints(0, 6)),
-            draw(mostly(st.sampled_from([0, 1, 7]), hostile_ints(st.just(0)))),
+            ["named", "ids", table],
+            ["named", "hashes", hash_arg],
+            *counts,
         )
     if kind == "lookup":
         groups = draw(item_lists(mostly(st.sampled_from([0, 1]), hostile_ints(st.just(0))), 3))
@@ -424,11 +455,14 @@ def pool_steps(draw: st.DrawFn) -> Step:
             st.one_of(
                 st.just(["list", hash_list]),
                 h.lying_lengths(hash_list),
+                h.lying_hints(hash_list),
+                h.changing_sequences(hash_list),
                 h.disagreeing_sequences(hash_list, st.lists(hashes(), max_size=4)),
                 h.reentrant_sequences(hash_list, reentrant_calls("pool")),
             )
         )
-        return step("pool.find_longest_cache_hit", seq, draw(ints(0, 1)))
+        group = draw(mostly(ints(0, 1), h.mutators_of("hashes", st.integers(0, 1))))
+        return step("pool.find_longest_cache_hit", ["named", "hashes", seq], group)
     if kind == "evict":
         return step("pool.evict_blocks", draw(item_lists(block_ids())))
     if kind == "reset":
@@ -695,7 +729,8 @@ def manager_steps(draw: st.DrawFn, block_size: int) -> list[Step]:
     if kind == "new":
         return [draw(new_request("manager"))]
     if kind == "admit":
-        lookahead = draw(ints(0, 2))
+        # Now and then the lookahead's __index__ changes the hit list (read after it).
+        lookahead = draw(mostly(ints(0, 2), h.mutators_of("hits", st.integers(0, 2))))
         return [
             step("mgr.get_computed_blocks", req, save="hits"),
             step(
@@ -703,7 +738,11 @@ def manager_steps(draw: st.DrawFn, block_size: int) -> list[Step]:
                 req,
                 draw(mostly(st.just(["todo", k, 0]), hostile_ints(st.just(1)))),
                 ["hit_tokens"],
-                draw(mostly(st.just(["hit_ids"]), item_lists(block_ids()))),
+                [
+                    "named",
+                    "hits",
+                    draw(mostly(st.just(["hit_ids"]), item_lists(block_ids()))),
+                ],
                 lookahead,
                 draw(mostly(st.just(0), ints(0, 4))),
                 draw(flags()),
@@ -810,15 +849,51 @@ def rollback_requests() -> st.SearchStrategy[Recipe]:
 def rollback_steps(draw: st.DrawFn) -> Step:
     kind = draw(st.sampled_from(["primitive", "update", "handle", "handle", "recving"]))
     invalid = draw(item_lists(block_ids(8)))
-    if kind == "primitive":
-        tables = draw(item_lists(item_lists(block_ids(8), 4), 3))
+    if kind == "primitive" and draw(st.booleans()):
+        # Valid columns, one of which a hostile value changes or sizes: block_size's
+        # __index__ changing a column (read after it), or a column changing itself.
+        columns: list[list[Any]] = [
+            ["list", [["list", draw(st.lists(st.integers(0, 8), max_size=4))]]],
+            ["list", [draw(st.integers(0, 12))]],
+            ["list", [draw(st.integers(0, 4))]],
+            ["list", draw(st.lists(st.integers(0, 8), max_size=4))],
+        ]
+        names = ["tables", "computed", "scheduled", "invalid"]
+        size: Recipe = draw(st.integers(1, 4))
+        i = draw(st.integers(0, 3))
+        how = draw(st.sampled_from(["mutator", "mutating", "hint", "changing"]))
+        if how == "mutator":
+            size = h.fault(draw(h.mutators_of(names[i], st.integers(1, 4))))
+        else:
+            forms = {
+                "mutating": h.mutating_lists,
+                "hint": h.lying_hints,
+                "changing": h.changing_sequences,
+            }
+            columns[i] = h.fault(draw(forms[how](columns[i][1])))
         return step(
             "mod.rollback_invalid_blocks",
-            tables,
-            draw(item_lists(ints(0, 12), 3)),
-            draw(item_lists(ints(0, 4), 3)),
-            invalid,
-            draw(ints(1, 4)),
+            *[["named", n, c] for n, c in zip(names, columns, strict=True)],
+            size,
+        )
+    if kind == "primitive":
+        tables = draw(item_lists(item_lists(block_ids(8), 4), 3))
+        # Now and then block_size's __index__ changes a column (read after it).
+        size = draw(
+            mostly(
+                ints(1, 4),
+                st.sampled_from(["tables", "computed", "scheduled", "invalid"]).flatmap(
+                    lambda name: h.mutators_of(name, st.integers(1, 4))
+                ),
+            )
+        )
+        return step(
+            "mod.rollback_invalid_blocks",
+            ["named", "tables", tables],
+            ["named", "computed", draw(item_lists(ints(0, 12), 3))],
+            ["named", "scheduled", draw(item_lists(ints(0, 4), 3))],
+            ["named", "invalid", invalid],
+            size,
             kwargs=[["collect_evictions", draw(flags())], ["mode", draw(modes())]],
         )
     requests = draw(item_lists(rollback_requests(), 4))
@@ -955,8 +1030,21 @@ def constructor_steps(draw: st.DrawFn) -> Step:
         )
     int_list = item_lists(ints(0, 3), 3)
     if kind == "rollback_result":
+        # Now and then the total's __index__ changes a list read before or after it.
+        total = draw(
+            mostly(
+                ints(0, 3),
+                st.sampled_from(["computed", "evict"]).flatmap(
+                    lambda name: h.mutators_of(name, st.integers(0, 3))
+                ),
+            )
+        )
         return step(
-            "mod.RollbackResult", draw(int_list), draw(int_list), draw(ints(0, 3)), draw(int_list)
+            "mod.RollbackResult",
+            ["named", "computed", draw(int_list)],
+            draw(int_list),
+            total,
+            ["named", "evict", draw(int_list)],
         )
     id_sets = st.lists(request_ids(), max_size=2).map(lambda xs: ["set", xs])
     return step(

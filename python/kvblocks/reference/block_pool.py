@@ -347,12 +347,12 @@ class BlockPool:
 
         Null blocks are left out; ``[]`` when no block is newly full.
         """
-        # 1. Types, in signature order.
-        ids = to_int_list(block_ids)
-        hashes = list(block_hashes)
+        # 1. Types: the ints, then the sequences, each in signature order.
         num_cached_blocks = to_int(num_cached_blocks)
         num_full_blocks = to_int(num_full_blocks)
         kv_cache_group_id = to_int(kv_cache_group_id)
+        ids = to_int_list(block_ids)
+        hashes = materialise(block_hashes)
         # 2. Values, in signature order.
         check_block_ids(ids, self._num_blocks)
         check_non_negative("num_cached_blocks", num_cached_blocks)

@@ -44,7 +44,13 @@ import xxhash as _xxhash
 
 from kvblocks.constants import HASH_ALGORITHMS
 from kvblocks.extra_keys import ExtraKeys, generate_block_hash_extra_keys
-from kvblocks.reference.kv_cache_utils import INT64_MAX, INT64_MIN, exact_str, to_int
+from kvblocks.reference.kv_cache_utils import (
+    INT64_MAX,
+    INT64_MIN,
+    exact_str,
+    materialise,
+    to_int,
+)
 
 __all__ = [
     "DEFAULT_SEED",
@@ -207,7 +213,7 @@ def check_token_ids(token_ids: Iterable[SupportsIndex]) -> tuple[int, ...]:
     """
     tokens = []
     # One pass, in order: the first bad id decides the error, in both backends.
-    for token_id in list(token_ids):
+    for token_id in materialise(token_ids):
         value = operator.index(token_id)
         if not INT64_MIN <= value <= INT64_MAX:
             raise ValueError(f"token id {value} does not fit in a signed 64-bit integer")

@@ -77,14 +77,20 @@ BlockHashKey = tuple[bytes, int]
 
 
 def materialise(values: Iterable[Any]) -> list[Any] | tuple[Any, ...]:
-    """An exact list or tuple as it is, any other iterable through ``list()``.
+    """The items of ``values`` as they are now, in a list or tuple no caller can change.
 
-    ``list()`` makes the length what exists, never a size the object claims, and the
-    native backend materialises the same way.
+    An exact tuple is itself; an exact list is copied (a snapshot: an item's
+    ``__index__`` that changes the list later changes nothing read); any other iterable
+    is iterated into a new list. Neither ``__len__`` nor ``__length_hint__`` is asked
+    (``list()`` would preallocate from them): the length is what iteration yields, and no
+    memory is reserved from a size a caller claims. The native backend reads the same way.
     """
-    if type(values) is list or type(values) is tuple:
+    if type(values) is tuple:
         return values
-    return list(values)
+    if type(values) is list:
+        return values.copy()
+    # A comprehension appends item by item; `list(values)` would trust the hint.
+    return [value for value in values]
 
 
 def to_int(value: SupportsIndex) -> int:
@@ -104,23 +110,24 @@ def to_int_list(values: Iterable[SupportsIndex]) -> list[int]:
     """Materialises ``values`` as a list of ints, converting each with :func:`to_int`.
 
     A one-dimensional NumPy integer array converts in C (``tolist``); anything else is
-    materialised by ``list()`` (so its length is what exists, never a claimed size) and
-    converted item by item.
+    materialised by :func:`materialise` (a snapshot whose length is what exists, never a
+    claimed size) and converted item by item.
 
     Raises:
         TypeError: ``values`` is not iterable, or an item is not an integer (the message is
             ``operator.index``'s, e.g. ``'float' object cannot be interpreted as an integer``).
         OverflowError: An item does not fit in 64 bits.
     """
+    items: list[Any] | tuple[Any, ...] | None = None
     if not isinstance(values, list):
         array: Any = values
         kind = getattr(getattr(array, "dtype", None), "kind", None)
         if kind in ("i", "u") and getattr(array, "ndim", None) == 1:
-            values = array.tolist()
+            items = array.tolist()
     # An exact int in range is its own value: only other items pay for the call.
     return [
         v if type(v) is int and INT64_MIN <= v <= INT64_MAX else to_int(v)
-        for v in materialise(values)
+        for v in (materialise(values) if items is None else items)
     ]
 
 
@@ -167,7 +174,7 @@ def to_field_set(value: object, item: Callable[[Any], Any]) -> set[Any]:
     """
     if not isinstance(value, set | frozenset):
         raise TypeError(f"'{type(value).__name__}' object is not an instance of 'set'")
-    return {item(v) for v in list(value)}
+    return {item(v) for v in materialise(value)}
 
 
 def to_flag(value: object) -> bool:

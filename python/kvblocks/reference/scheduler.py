@@ -200,13 +200,14 @@ def rollback_invalid_blocks(
             negative count or id, more tokens scheduled than computed, or a block table
             too short to hold the tokens computed before this step.
     """
+    # The scalars, then the columns, each in signature order.
+    size = to_int(block_size)
     collect_evictions = bool(collect_evictions)
     strict = _check_mode(mode)
     tables = [to_int_list(table) for table in materialise(block_tables)]
     computed = to_int_list(num_computed_tokens)
     scheduled = to_int_list(num_scheduled_tokens)
     invalid = set(to_int_list(invalid_block_ids))
-    size = to_int(block_size)
     return _decide(tables, computed, scheduled, invalid, size, collect_evictions, strict)[0]
 
 

@@ -2,11 +2,13 @@
 //! Rust slices, without a Python object per element where it can be avoided.
 //!
 //! * a `list` or `tuple` of ints is read item by item (one C call per item, no copy of
-//!   the objects);
+//!   the objects while every item is an exact `int`; a list is snapshotted before the
+//!   first other item is converted, see [`to_list`]);
 //! * anything exporting a one-dimensional C-contiguous integer buffer (`NumPy` arrays,
 //!   `array.array`, `memoryview`) is read in place when its items are native `i64`, and
 //!   widened into a `Vec<i64>` otherwise;
-//! * any other iterable is iterated, and each item converted as `operator.index` would.
+//! * any other iterable is materialised by [`to_list`], and each item converted as
+//!   `operator.index` would.
 //!
 //! Token ids and block hashes are read here too, so the classes' modules share one
 //! reader each. The one import cycle left in the binding is inherent: a manager's
@@ -43,16 +45,31 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
     }
 }
 
-/// The items of any iterable, materialised by Python's own `list()`: its length is
-/// what exists, never a size the object claims, so memory is reserved only from it.
-/// A lying `__length_hint__` gets `list()`'s answer (`MemoryError`, `ValueError`),
-/// as in the reference, which materialises with `list()` too.
+/// The items of any iterable as they are now, in a new list only the caller holds: the
+/// one place the binding materialises a caller's iterable (the reference's
+/// `materialise`).
+///
+/// * An exact list is copied (one pointer per item): a snapshot, which code run later
+///   (an item's `__index__` growing, shrinking or rewriting the list) cannot change.
+/// * Any other iterable is iterated and its items appended one by one. Its length is
+///   what iteration yields: neither `__len__` nor `__length_hint__` is asked (Python's
+///   `list()` would reserve memory from them), so a size a caller claims reserves
+///   nothing and raises nothing.
 pub fn to_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-    // SAFETY: GIL held; returns a new reference or null with an error set.
-    unsafe {
-        Bound::from_owned_ptr_or_err(obj.py(), ffi::PySequence_List(obj.as_ptr()))
-            .map(|list| list.cast_into_unchecked())
+    let py = obj.py();
+    if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+        // SAFETY: GIL held; an exact list or tuple is copied at its real size (no hint is
+        // asked); returns a new reference or null with an error set.
+        return unsafe {
+            Bound::from_owned_ptr_or_err(py, ffi::PySequence_List(obj.as_ptr()))
+                .map(|list| list.cast_into_unchecked())
+        };
     }
+    let list = PyList::empty(py);
+    for item in obj.try_iter()? {
+        list.append(item?)?;
+    }
+    Ok(list)
 }
 
 /// `operator.index(obj)` as an unsigned `T`: `TypeError` for a non-integer,
@@ -142,24 +159,16 @@ pub fn int_column(obj: &Bound<'_, PyAny>) -> PyResult<IntColumn> {
 
 /// [`int_column`] with `convert` turning each item that is not an exact `int` within
 /// 64 bits into an `i64` (or the caller's error for it): the first bad item decides.
+///
+/// The items are those the iterable held when it was read, as the reference's
+/// `materialise` gives them: a list is snapshotted ([`to_list`]) before any item that may
+/// run Python code is converted.
 pub fn int_column_with(
     obj: &Bound<'_, PyAny>,
     convert: impl Fn(&Bound<'_, PyAny>) -> PyResult<i64>,
 ) -> PyResult<IntColumn> {
-    if let Ok(list) = obj.cast_exact::<PyList>() {
-        return sequence_ints(obj, list.len(), &convert, |i| {
-            // SAFETY: GIL held, `i < len(list)` (re-checked by the caller after any
-            // Python code ran); returns a borrowed item or null with IndexError set.
-            unsafe { ffi::PyList_GetItem(list.as_ptr(), i) }
-        })
-        .map(IntColumn::Owned);
-    }
-    if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
-        return sequence_ints(obj, tuple.len(), &convert, |i| {
-            // SAFETY: as above; a tuple's items live as long as the tuple.
-            unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
-        })
-        .map(IntColumn::Owned);
+    if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+        return sequence_ints(obj, false, &convert).map(IntColumn::Owned);
     }
     if let Some(view) = BufferView::get(obj) {
         if view.kind == ItemKind::I64 && view.is_aligned() {
@@ -170,29 +179,45 @@ pub fn int_column_with(
         }
         // Unsigned values past i64::MAX: iterate, so the error names the real value.
     }
-    to_list(obj)?
-        .iter()
-        .map(|item| convert(&item))
-        .collect::<PyResult<_>>()
-        .map(IntColumn::Owned)
+    // A list of our own: nothing else can change it.
+    sequence_ints(to_list(obj)?.as_any(), true, &convert).map(IntColumn::Owned)
 }
 
-/// Reads the items of an exact list or tuple of `len` items. Exact `int` items are read
-/// through borrowed references with no reference counting (reading one runs no Python
-/// code); any other item goes through `convert`, after which the length of a list is
-/// read again, as a Python `for` loop would.
+/// Item `i` of an exact list or tuple `seq`, borrowed; null with `IndexError` set when
+/// `i` is out of range.
+fn borrowed_item(seq: &Bound<'_, PyAny>, is_list: bool, i: usize) -> *mut ffi::PyObject {
+    let i = isize::try_from(i).unwrap_or(isize::MAX);
+    // SAFETY: GIL held and `seq` is an exact list (or tuple); each call returns a
+    // borrowed item or null with IndexError set.
+    unsafe {
+        if is_list {
+            ffi::PyList_GetItem(seq.as_ptr(), i)
+        } else {
+            ffi::PyTuple_GetItem(seq.as_ptr(), i)
+        }
+    }
+}
+
+/// Reads the items of an exact list or tuple. Exact `int` items are read through
+/// borrowed references with no reference counting (reading one runs no Python code, so
+/// the container cannot change meanwhile). Before the first other item goes through
+/// `convert` (whose `__index__` may change a list), a list's items are snapshotted by
+/// [`to_list`] and the rest are read from the snapshot: what is read is the list as it
+/// was when the call read it. A tuple cannot change and is read in place, as is a list
+/// that is `private` (made by [`to_list`] for this call).
 fn sequence_ints(
     seq: &Bound<'_, PyAny>,
-    len: usize,
+    private: bool,
     convert: impl Fn(&Bound<'_, PyAny>) -> PyResult<i64>,
-    get: impl Fn(isize) -> *mut ffi::PyObject,
 ) -> PyResult<Vec<i64>> {
     let py = seq.py();
+    let len = seq.len()?;
     let mut out = Vec::with_capacity(len);
-    let mut stop = len;
-    let mut i = 0;
-    while i < stop {
-        let item = get(isize::try_from(i).unwrap_or(isize::MAX));
+    let is_list = seq.is_exact_instance_of::<PyList>();
+    let mut snapshot = None;
+    for i in 0..len {
+        let container = snapshot.as_ref().unwrap_or(seq);
+        let item = borrowed_item(container, is_list, i);
         // SAFETY: `item` is null or a borrowed reference to a live object; GIL held.
         let exact = !item.is_null() && unsafe { ffi::PyLong_CheckExact(item) } != 0;
         // SAFETY: an exact int: reads its value without running Python code.
@@ -204,17 +229,20 @@ fn sequence_ints(
         // SAFETY: GIL held.
         if exact && (value != -1 || unsafe { ffi::PyErr_Occurred() }.is_null()) {
             out.push(value);
-        } else {
-            if exact {
-                // SAFETY: GIL held; `convert` reports the overflow in its own terms.
-                unsafe { ffi::PyErr_Clear() };
-            }
-            // SAFETY: `item` is null (error set) or borrowed; this takes a strong reference.
-            let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
-            out.push(convert(&item)?);
-            stop = seq.len()?;
+            continue;
         }
-        i += 1;
+        if exact {
+            // SAFETY: GIL held; `convert` reports the overflow in its own terms.
+            unsafe { ffi::PyErr_Clear() };
+        }
+        // SAFETY: `item` is null (error set) or borrowed; this takes a strong reference.
+        let item = unsafe { Bound::from_borrowed_ptr_or_err(py, item) }?;
+        if is_list && !private && snapshot.is_none() {
+            // No Python code has run since `len` was read: the copy holds the same items.
+            // Nothing else holds the copy, so no code run later can change it.
+            snapshot = Some(to_list(seq)?.into_any());
+        }
+        out.push(convert(&item)?);
     }
     Ok(out)
 }
@@ -498,11 +526,14 @@ pub fn block_hashes<'py>(
     collect_hashes(items.into_iter().map(|item| read_hash(&item)))
 }
 
-/// `block_hashes` as a sequence: sequences are indexed in place, any other iterable is
-/// collected first. Items are not converted yet.
+/// `block_hashes` to read by index: an exact list or tuple in place (reading its hashes
+/// runs no Python code, so it cannot change meanwhile), any other iterable materialised
+/// by [`to_list`]. Items are not converted yet.
 fn hash_sequence<'py>(block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PySequence>> {
-    if let Ok(seq) = block_hashes.cast::<PySequence>() {
-        return Ok(seq.clone());
+    if block_hashes.is_exact_instance_of::<PyList>()
+        || block_hashes.is_exact_instance_of::<PyTuple>()
+    {
+        return Ok(block_hashes.cast::<PySequence>()?.clone());
     }
     Ok(to_list(block_hashes)?
         .into_any()
@@ -546,7 +577,8 @@ impl<'py> HashSeq<'py> {
         (!matches!(seq.kind, SeqKind::Other)).then_some(seq)
     }
 
-    /// `obj` when it is a sequence, else its items collected into a list.
+    /// `obj` when it is an exact list or tuple, else its items materialised by
+    /// [`to_list`], as the reference's `materialise` reads them.
     pub(crate) fn collect(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         Ok(Self::new(hash_sequence(obj)?))
     }
