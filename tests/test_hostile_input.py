@@ -639,3 +639,13 @@ def test_numpy_bools_are_bools_in_value_classes(backend: ModuleType) -> None:
     np = pytest.importorskip("numpy")
     assert backend.PrefixCacheStats(reset=np.True_).reset is True
     assert backend.KVCacheBlock(0, 0, None, None, np.False_).is_null is False
+
+
+@pytest.mark.parametrize("value", [None, 1, "yes"])
+def test_a_bool_field_names_the_type_it_got(backend: ModuleType, value: object) -> None:
+    # Found by the fuzzer's long profile: PyO3's own message named the value, not its type.
+    name = type(value).__name__
+    with pytest.raises(TypeError, match=rf"^'{name}' object is not an instance of 'bool'$"):
+        backend.KVCacheBlock(0, 0, None, None, value)
+    with pytest.raises(TypeError, match=rf"^'{name}' object is not an instance of 'bool'$"):
+        backend.PrefixCacheStats(reset=value)

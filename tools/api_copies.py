@@ -414,6 +414,7 @@ RUST_DEFAULTS: dict[str, object] = {
     "None": None,
     "Flag::TRUE": True,
     "Flag::FALSE": False,
+    "BoolField::FALSE": False,
     "ModeArg::VLLM": "vllm",
     "PolicyArg::FAIL": "fail",
 }

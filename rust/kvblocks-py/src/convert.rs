@@ -23,7 +23,7 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyBytes, PyList, PySequence, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyList, PySequence, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::IntoPyResult;
@@ -117,6 +117,34 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         obj.is_truthy().map(Self)
+    }
+}
+
+/// A `bool` field of a value class, as the reference's `to_flag` reads it: a `bool`, or
+/// `NumPy`'s; anything else is a `TypeError` naming its type.
+#[derive(Clone, Copy)]
+pub struct BoolField(pub bool);
+
+impl BoolField {
+    /// `False`, for signature defaults.
+    pub const FALSE: Self = Self(false);
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BoolField {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(flag) = obj.cast::<PyBool>() {
+            return Ok(Self(flag.is_true()));
+        }
+        let kind = obj.get_type();
+        let name = kind.name()?;
+        if kind.module()?.to_str()? == "numpy" && matches!(name.to_str()?, "bool" | "bool_") {
+            return obj.is_truthy().map(Self);
+        }
+        Err(PyTypeError::new_err(format!(
+            "'{name}' object is not an instance of 'bool'"
+        )))
     }
 }
 

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{self, int_column, request_id, Flag, HashSeq};
+use crate::convert::{self, int_column, request_id, BoolField, Flag, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::events::{take_events, EventState, RequestTokens};
 use crate::pool::PyBlockPool;
@@ -180,8 +180,9 @@ pub struct PyPrefixCacheStats {
 #[pymethods]
 impl PyPrefixCacheStats {
     #[new]
-    #[pyo3(signature = (requests=0, queries=0, hits=0, reset=false), text_signature = None)]
-    fn new(requests: u64, queries: u64, hits: u64, reset: bool) -> Self {
+    #[pyo3(signature = (requests=0, queries=0, hits=0, reset=BoolField::FALSE), text_signature = None)]
+    fn new(requests: u64, queries: u64, hits: u64, reset: BoolField) -> Self {
+        let BoolField(reset) = reset;
         Self {
             requests,
             queries,

@@ -11,7 +11,7 @@ use pyo3::types::PyBytes;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::{
-    block_hash, hash_bytes, int_column, to_list, Flag, Given, HashSeq, IntColumn,
+    block_hash, hash_bytes, int_column, to_list, BoolField, Flag, Given, HashSeq, IntColumn,
 };
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
@@ -52,8 +52,9 @@ impl PyKVCacheBlock {
         ref_cnt: u32,
         block_hash: Option<&Bound<'_, PyAny>>,
         group_id: Option<u32>,
-        is_null: bool,
+        is_null: BoolField,
     ) -> PyResult<Self> {
+        let BoolField(is_null) = is_null;
         let block_hash = block_hash
             .map(|h| hash_bytes(h).map(|hash| hash.as_bytes().to_vec()))
             .transpose()?;
