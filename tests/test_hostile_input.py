@@ -644,8 +644,9 @@ def test_numpy_bools_are_bools_in_value_classes(backend: ModuleType) -> None:
 @pytest.mark.parametrize("value", [None, 1, "yes"])
 def test_a_bool_field_names_the_type_it_got(backend: ModuleType, value: object) -> None:
     # Found by the fuzzer's long profile: PyO3's own message named the value, not its type.
-    name = type(value).__name__
-    with pytest.raises(TypeError, match=rf"^'{name}' object is not an instance of 'bool'$"):
+    expected = f"'{type(value).__name__}' object is not an instance of 'bool'"
+    with pytest.raises(TypeError) as block:
         backend.KVCacheBlock(0, 0, None, None, value)
-    with pytest.raises(TypeError, match=rf"^'{name}' object is not an instance of 'bool'$"):
+    with pytest.raises(TypeError) as stats:
         backend.PrefixCacheStats(reset=value)
+    assert str(block.value) == str(stats.value) == expected
