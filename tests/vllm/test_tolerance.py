@@ -225,15 +225,20 @@ def test_prefix_cache_stats_is_vllms_attribute(log_stats: bool) -> None:
     assert ours.prefix_cache_stats.requests == 0
 
 
-def test_a_negative_watermark_fails_as_vllms_assert() -> None:
+@pytest.mark.parametrize(
+    ("watermark", "error"),
+    [(-0.5, AssertionError), (float("nan"), AssertionError), (float("inf"), OverflowError)],
+)
+def test_an_impossible_watermark_fails_as_in_vllm(watermark: float, error: type[Exception]) -> None:
+    # vLLM asserts watermark >= 0.0, then int(watermark * num_blocks) overflows on inf.
     for cls in (VllmKVCacheManager, KVCacheManager):
-        with pytest.raises(AssertionError):
+        with pytest.raises(error):
             cls(
                 kv_cache_config=harness.build_kv_cache_config(16, BLOCK_SIZE),
                 max_model_len=256,
                 scheduler_block_size=BLOCK_SIZE,
                 hash_block_size=BLOCK_SIZE,
-                watermark=-0.5,
+                watermark=watermark,
             )
 
 
@@ -364,18 +369,6 @@ def test_the_pool_evicts_as_vllms_pool_does() -> None:
     got = same(managers, reqs, lambda m, _: m.evict_blocks({2, 3, 100}))
     assert got == Raised(AssertionError)
     assert managers[1].get_blocks("r").get_unhashed_block_ids() == [1, 2, 3, 4]
-
-
-def test_an_infinite_watermark_overflows_as_in_vllm() -> None:
-    for cls in (VllmKVCacheManager, KVCacheManager):
-        with pytest.raises(OverflowError):
-            cls(
-                kv_cache_config=harness.build_kv_cache_config(16, BLOCK_SIZE),
-                max_model_len=256,
-                scheduler_block_size=BLOCK_SIZE,
-                hash_block_size=BLOCK_SIZE,
-                watermark=float("inf"),
-            )
 
 
 def test_the_block_count_asserts_only_for_a_running_request_with_hits() -> None:
