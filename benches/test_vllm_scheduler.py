@@ -10,6 +10,7 @@ Skipped unless vLLM is importable. The harness itself is checked with vLLM's own
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -86,6 +87,95 @@ def test_group_is_registered() -> None:
         "vllm_scheduler_256",
         "vllm_scheduler_1024",
         "vllm_scheduler_kv_load_256",
+        "vllm_scheduler_gpt_oss_64",
+        "vllm_scheduler_gemma3_64",
     ]
     full = [s.name for s in vllm_scheduler.workload_specs(quick=False)]
-    assert len(full) == len(vllm_scheduler.SIZES) + len(vllm_scheduler.KV_LOAD_SIZES)
+    assert len(full) == (
+        len(vllm_scheduler.SIZES)
+        + len(vllm_scheduler.KV_LOAD_SIZES)
+        + len(vllm_scheduler.HYBRID_LAYOUTS)
+    )
+    assert full[-2:] == ["vllm_scheduler_gpt_oss_256", "vllm_scheduler_gemma3_256"]
+
+
+# --------------------------------------------------------------------------- hybrid rows
+
+_FALLBACK = "FALLBACK, not a kvblocks measurement"
+
+
+def _layout(key: str) -> vllm_scheduler.HybridLayout:
+    (layout,) = (x for x in vllm_scheduler.HYBRID_LAYOUTS if x.key == key)
+    return layout
+
+
+@needs_kvblocks_vllm
+def test_hybrid_pools_hold_the_windows() -> None:
+    """The single-group rows' 65,536 blocks for the full group, plus per sliding-window
+    group 256 windows of cdiv(window - 1, 16) + 1 blocks and one step of prefill."""
+    gpt_oss, gemma3 = (_layout(key).groups() for key in ("gpt_oss", "gemma3"))
+    assert vllm_scheduler.hybrid_num_blocks(gpt_oss, 256) == 65_536 + 256 * 9 + 512
+    assert vllm_scheduler.hybrid_num_blocks(gemma3, 256) == 65_536 + 6 * (256 * 65 + 512)
+
+
+@needs_kvblocks_vllm
+def test_hybrid_harness_with_vllm_on_both_sides_says_fallback() -> None:
+    """vLLM's own Scheduler in the native column: the row runs, both columns agree step
+    for step, and its description refuses to call it a kvblocks measurement."""
+    workload = vllm_scheduler.vllm_scheduler_hybrid(
+        _layout("gpt_oss"), 32, steps=8, kvblocks_cls=_stock()
+    )
+    assert workload.name == "vllm_scheduler_gpt_oss_32"
+    assert workload.self_timed and not workload.has_reference
+    manager = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+    assert workload.description.endswith(
+        f"{_FALLBACK}: kvblocks' scheduler ran {manager}, vLLM's ran {manager}"
+    )
+    result = _run(workload)
+    assert result.vllm_error is None
+    assert len(result.rust_s) == len(result.vllm_s) == 2
+    assert _FALLBACK in bench.markdown_table([result])
+
+
+@needs_kvblocks_vllm
+@pytest.mark.parametrize("key", ["gpt_oss", "gemma3"])
+def test_hybrid_row_runs_and_names_its_managers(key: str) -> None:
+    """kvblocks' scheduler on a multi-group layout: the row runs (one block table per
+    group, sliding windows freed), and its description names the manager class of each
+    side, with FALLBACK exactly when kvblocks' scheduler did not run kvblocks' manager."""
+    layout = _layout(key)
+    managers = vllm_scheduler.hybrid_managers(layout, 32)
+    vllm_manager = importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager
+    assert managers.vllm_side is vllm_manager
+    assert managers.fallback == (not managers.kvblocks_side.__module__.startswith("kvblocks."))
+    workload = vllm_scheduler.vllm_scheduler_hybrid(layout, 32, steps=8)
+    assert workload.name == f"vllm_scheduler_{key}_32"
+    native = f"{managers.kvblocks_side.__module__}.{managers.kvblocks_side.__qualname__}"
+    assert native in workload.description
+    assert "vllm.v1.core.kv_cache_manager.KVCacheManager" in workload.description
+    assert (_FALLBACK in workload.description) == managers.fallback
+    result = _run(workload, rounds=1)
+    assert result.vllm_error is None
+    assert result.vllm_ratio is not None and result.vllm_ratio > 0
+
+
+@needs_kvblocks_vllm
+def test_hybrid_table_check_catches_a_window_not_freed() -> None:
+    """A sliding-window group that keeps every block of a request far past its window
+    fails the round's check; one that holds only its window passes."""
+    from kvblocks.bench.vllm_scheduler import _table_check  # noqa: PLC0415 (a private name, for this test only)
+    from kvblocks.vllm.cpu import GPT_OSS_LIKE  # noqa: PLC0415 (imports vLLM)
+
+    request = SimpleNamespace(request_id="r0", num_output_tokens=40, num_computed_tokens=640)
+    full = list(range(1, 41))
+    tables = {"freed": ([0] * 31 + full[31:], full), "kept": (full, full)}
+
+    def driver(kind: str) -> Any:
+        manager = SimpleNamespace(get_block_ids=lambda request_id: tables[kind])
+        return SimpleNamespace(
+            scheduler=SimpleNamespace(running=[request], kv_cache_manager=manager)
+        )
+
+    _table_check(driver("freed"), GPT_OSS_LIKE)
+    with pytest.raises(AssertionError, match="window 128\\) holds 39 blocks at 640 tokens"):
+        _table_check(driver("kept"), GPT_OSS_LIKE)

@@ -7,7 +7,8 @@ imports it by name to build :class:`DiffFakeConnector` (``kv_connector_module_pa
 * :func:`make_scenario` turns ``(family, seed, engine)`` into a :class:`Scenario`, with a
   ``random.Random`` seeded by a string (so nothing depends on ``PYTHONHASHSEED``).
 * :func:`run_scenario` builds ``VllmConfig``/``KVCacheConfig``/the scheduler (the model a
-  directory holding only ``config.json``, one full-attention group) and drives it, either as
+  directory holding only ``config.json``; one full-attention group, or the scenario's
+  hybrid layout of full, sliding-window and chunked-local groups) and drives it, either as
   a synchronous engine (``EngineCore.step``) or as a depth-2 pipeline
   (``EngineCore.step_with_batch_queue``), recording per step the normalised
   ``SchedulerOutput``, the ``EngineCoreOutputs`` (with ``prefill_stats`` and
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from kvblocks.vllm.cpu import VOCAB_SIZE, write_config_only_model
+from kvblocks.vllm.cpu import VOCAB_SIZE, GroupLayout, kv_cache_config, write_config_only_model
 from vllm.config import (
     CacheConfig,
     KVEventsConfig,
@@ -57,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -123,9 +125,26 @@ BASE_FAMILIES = (
 #: * ``combined``: all of the above and every knob of ``mixed``, each at random.
 COMBINATION_FAMILIES = ("async-spec-fail", "priority", "small-blocks", "combined")
 FAMILIES = BASE_FAMILIES + COMBINATION_FAMILIES
+#: Families with a multi-group (hybrid) or local-attention layout, each drawing every knob
+#: of ``mixed`` at random, with blocks of 2 to 8 tokens and windows (chunks) smaller than
+#: the prompts, so out-of-window blocks are freed:
+#:
+#: * ``swa``: one sliding-window group (vLLM's unitary coordinator);
+#: * ``gpt-oss``: full attention + one sliding-window group, in either order;
+#: * ``gemma3``: full attention + 2 to 5 sliding-window groups of one window (looked up
+#:   jointly), sometimes with 1 or 2 groups of a second window, in a drawn order;
+#: * ``llama4``: full attention + 1 to 3 chunked-local groups, in a drawn order.
+#:
+#: Each draws ``prefix_cache_retention_interval`` (0, vLLM's default, most often; None;
+#: or a multiple of the block size) and resends earlier prompts (so hits land on the
+#: replay boundary). Their connector supports HMA when there are several groups (vLLM
+#: asserts one group for a connector without it), and half the time with one. Block-level
+#: load failures are rare with several groups: vLLM refuses them (a ``RuntimeError`` ends
+#: the run there).
+HYBRID_FAMILIES = ("swa", "gpt-oss", "gemma3", "llama4")
 #: The engines each family runs on.
 FAMILY_ENGINES: dict[str, tuple[str, ...]] = {
-    **{family: ENGINES for family in FAMILIES},
+    **{family: ENGINES for family in FAMILIES + HYBRID_FAMILIES},
     "async-spec-fail": ("async",),
 }
 
@@ -190,6 +209,12 @@ class Scenario:
     resets: tuple[tuple[int, bool], ...] = ()  # (step, reset_running_requests)
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
     max_steps: int = 800
+    #: The KV cache groups; empty: one full-attention group (``build_kv_cache_config``).
+    layout: tuple[GroupLayout, ...] = ()
+    #: vLLM's ``prefix_cache_retention_interval`` (0 is the engine's default).
+    retention_interval: int | None = 0
+    #: Whether the fake connector implements ``SupportsHMA`` (needed with several groups).
+    connector_hma: bool = False
 
     @property
     def scenario_id(self) -> str:
@@ -203,7 +228,7 @@ class Scenario:
 def parse_scenario_id(scenario_id: str) -> tuple[str, int, str]:
     """``"connector-s3-async"`` -> ``("connector", 3, "async")``."""
     family, seed, engine = scenario_id.rsplit("-", 2)
-    if family not in FAMILIES or engine not in FAMILY_ENGINES[family] or not seed.startswith("s"):
+    if engine not in FAMILY_ENGINES.get(family, ()) or not seed.startswith("s"):
         raise ValueError(f"not a scenario id: {scenario_id!r}")
     return family, int(seed[1:]), engine
 
@@ -216,23 +241,67 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1, VOCAB_SIZE) for _ in range(n))
 
 
+def _draw_layout(
+    rng: random.Random, family: str, block_size: int
+) -> tuple[tuple[GroupLayout, ...], int | None]:
+    """A hybrid family's KV cache groups and retention interval (see ``HYBRID_FAMILIES``)."""
+
+    def window() -> int:
+        return rng.randint(2, 4 * block_size)
+
+    if family == "swa":
+        layout = [GroupLayout("sliding_window", window())]
+    elif family == "gpt-oss":
+        layout = [GroupLayout("sliding_window", window()), GroupLayout("full")]
+        if rng.random() < 0.3:
+            layout.reverse()
+    elif family == "gemma3":
+        first = window()
+        layout = [GroupLayout("sliding_window", first)] * rng.randint(2, 5)
+        if rng.random() < 0.3:
+            second = rng.choice([w for w in range(2, 4 * block_size + 1) if w != first])
+            layout += [GroupLayout("sliding_window", second)] * rng.randint(1, 2)
+        layout.append(GroupLayout("full"))
+        if rng.random() < 0.4:
+            rng.shuffle(layout)
+    else:  # llama4
+        chunk = GroupLayout("chunked_local", block_size * rng.randint(1, 4))
+        layout = [chunk] * rng.randint(1, 3) + [GroupLayout("full")]
+        if rng.random() < 0.4:
+            rng.shuffle(layout)
+    # vLLM accepts a positive interval only with a sliding-window (or Mamba) group.
+    has_window = any(group.kind == "sliding_window" for group in layout)
+    draw = rng.random()
+    retention = (
+        0
+        if draw < 0.6
+        else None
+        if draw < 0.8 or not has_window
+        else block_size * rng.randint(1, 4)
+    )
+    return tuple(layout), retention
+
+
 def make_scenario(family: str, seed: int, engine: str) -> Scenario:
     """The scenario ``family-s<seed>-<engine>``; the same arguments always give the same one.
 
-    The combination families draw their extra knobs only after, or instead of, the draws
-    every family makes, so the base families' scenarios do not change with them.
+    The combination and hybrid families draw their extra knobs only after, or instead of,
+    the draws every family makes, so the base families' scenarios do not change with them.
     """
-    if family not in FAMILIES or engine not in FAMILY_ENGINES.get(family, ()):
+    if engine not in FAMILY_ENGINES.get(family, ()):
         raise ValueError(f"unknown family/engine {family!r}/{engine!r}")
     rng = random.Random(f"kvblocks-diff:{family}:{seed}:{engine}")
     combined = family == "combined"
     spec_fail = family == "async-spec-fail"
-    mixed = family in ("mixed", "combined")
+    hybrid = family in HYBRID_FAMILIES
+    mixed = family in ("mixed", "combined") or hybrid
 
     def chance(p: float, *families: str) -> bool:
         return (family in families or mixed) and rng.random() < p
 
-    if family == "small-blocks":
+    if hybrid:
+        block_sizes = [2, 4, 4, 8]
+    elif family == "small-blocks":
         block_sizes = [1, 2, 2, 4]
     elif combined:
         block_sizes = [1, 2, 4, 4, 8, 16]
@@ -254,6 +323,14 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
         else None
     )
     priority = family == "priority" or (combined and rng.random() < 0.5)
+    layout: tuple[GroupLayout, ...] = ()
+    retention: int | None = 0
+    connector_hma = False
+    invalid_ok = True
+    if hybrid:
+        layout, retention = _draw_layout(rng, family, block_size)
+        connector_hma = len(layout) > 1 or rng.random() < 0.5
+        invalid_ok = len(layout) == 1 or rng.random() < 0.15
     # Shared prefixes (system prompts), some not block aligned.
     prefixes = [
         _tokens(rng, rng.randint(1, 6) * unit + rng.choice([0, 0, 1, block_size // 2]))
@@ -263,6 +340,7 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
     long_prompts = family == "chunked" or chance(0.3)
     long_outputs = family in ("preempt", "reset", "priority") or chance(0.3, "small-blocks")
     requests: list[ReqSpec] = []
+    standalone: list[tuple[int, ...]] = []  # the prompts drawn in full, to resend
     lengths: dict[str, int] = {}  # upper bound of each request's total tokens
     last_arrival = 0
     for i in range(num_requests):
@@ -275,10 +353,16 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
         if parent is not None:
             prompt = _tokens(rng, rng.randint(1, 2 * unit))
             bound = lengths[parent] + len(prompt)
+        elif hybrid and standalone and rng.random() < 0.2:
+            # A resend, as is or a little longer: a hit at the sender's replay boundary.
+            extra = rng.choice([0, 0, 1, block_size, 2 * block_size + 1])
+            prompt = rng.choice(standalone) + _tokens(rng, extra)
+            bound = len(prompt)
         else:
             prefix = rng.choice(prefixes) if rng.random() < 0.8 else ()
             prompt = prefix + _tokens(rng, suffix_len)
             bound = len(prompt)
+            standalone.append(prompt)
         lengths[req_id] = bound + max_tokens
         arrival = last_arrival + rng.choice([0, 0, 0, 1, 2, 5])
         if rng.random() < 0.1 or (family == "reset" and i == num_requests // 2):
@@ -294,7 +378,11 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
                 [None, "invalid", "invalid", "invalid", "failed_recving"]
                 if spec_fail
                 else [None, None, "invalid", "invalid", "failed_recving"]
+                if invalid_ok
+                else [None, None, None, "failed_recving"]
             )
+            if not (invalid_ok or ext_async):
+                fail = None  # the driver reports a failed sync load as invalid blocks
         prio = 0
         arrival_time = 0.0
         if priority:
@@ -326,7 +414,10 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
     small_pool = family in ("preempt", "abort", "priority", "small-blocks") or chance(
         0.6 if combined else 0.4, "deferred", "reset", "connector", "async-spec-fail"
     )
-    total_need = sum(_cdiv(n + lookahead, block_size) for n in lengths.values())
+    # Every group holds its own blocks (local groups fewer, once out-of-window ones go).
+    groups = max(1, len(layout))
+    max_need *= groups
+    total_need = groups * sum(_cdiv(n + lookahead, block_size) for n in lengths.values())
     if small_pool:
         num_blocks = max_need + 1 + rng.randint(0, max(1, max_need // 2))
     else:
@@ -381,6 +472,9 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
         aborts=tuple(sorted(aborts, key=lambda a: (a.step, a.kind, a.k))),
         resets=tuple(sorted(resets)),
         scheduling_policy="priority" if priority else "fcfs",
+        layout=layout,
+        retention_interval=retention,
+        connector_hma=connector_hma,
     )
 
 
@@ -398,7 +492,7 @@ class LoadRecord:
     is_async: bool
     num_local_tokens: int
     num_external_tokens: int
-    external_block_ids: list[int]
+    external_block_ids: list[int]  # the blocks it writes, every group's, no null block
 
 
 class DiffConnectorMetadata(KVConnectorMetadata):
@@ -421,11 +515,13 @@ class DiffFakeConnector(KVConnectorBase_V1):
     It offers ``kv_transfer_params["diff_ext_blocks"]`` blocks past the local prefix hit
     (never the prompt's last token), asynchronously if ``kv_transfer_params["diff_async"]``.
     It reads what real connectors read: the block table (``get_blocks``), block views
-    (``block_id``, ``block_hash``, ``is_null``), ``get_unhashed_block_ids``,
-    ``KVConnectorBlockState.get_block_ids`` and ``request_finished``'s block ids, and puts
-    all of it into its metadata, so the comparison sees it. The driver reads
-    :attr:`new_loads` after each ``schedule()`` to report ``finished_recving``,
-    ``invalid_block_ids`` and ``failed_recving``.
+    (``block_id``, ``block_hash``, ``is_null``), ``get_unhashed_block_ids`` (its
+    ``_all_groups`` form with several groups), ``KVConnectorBlockState.get_block_ids`` and
+    ``request_finished``'s block ids, and puts all of it into its metadata, so the
+    comparison sees it. The driver reads :attr:`new_loads` after each ``schedule()`` to
+    report ``finished_recving``, ``invalid_block_ids`` and ``failed_recving``.
+
+    Without ``SupportsHMA`` (see :class:`DiffFakeHMAConnector`) vLLM allows one group only.
     """
 
     def __init__(
@@ -488,12 +584,18 @@ class DiffFakeConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        (table,) = blocks.get_block_ids()
+        tables = blocks.get_block_ids()
+        one_group = len(tables) == 1
+
+        def by_group(values: list[Any]) -> Any:
+            """One group's values as they are; several groups' as a list per group."""
+            return values[0] if one_group else values
+
         self._log.append(
             {
                 "kind": "alloc",
                 "req_id": req_id,
-                "block_ids": list(table),
+                "block_ids": by_group([list(table) for table in tables]),
                 "num_external_tokens": num_external_tokens,
             }
         )
@@ -503,22 +605,30 @@ class DiffFakeConnector(KVConnectorBase_V1):
         assert ext == num_external_tokens, (ext, num_external_tokens)
         first = local // self.block_size
         last = _cdiv(local + ext, self.block_size)
-        views = list(blocks.blocks[0])[first:last]
-        external = [view.block_id for view in views]
-        assert external == list(table[first:last]), (external, table)
+        views = [list(group)[first:last] for group in blocks.blocks]
+        external = [[view.block_id for view in group] for group in views]
+        for ids, table in zip(external, tables, strict=True):
+            assert ids == list(table[first:last]), (ids, table)
+        unhashed = (
+            [blocks.get_unhashed_block_ids()]
+            if one_group
+            else blocks.get_unhashed_block_ids_all_groups()
+        )
         self._log.append(
             {
                 "kind": "load",
                 "req_id": req_id,
-                "external_block_ids": external,
-                "unhashed": [view.block_hash is None for view in views],
-                "is_null": [bool(view.is_null) for view in views],
-                "unhashed_block_ids": sorted(blocks.get_unhashed_block_ids()),
+                "external_block_ids": by_group(external),
+                "unhashed": by_group([[v.block_hash is None for v in group] for group in views]),
+                "is_null": by_group([[bool(v.is_null) for v in group] for group in views]),
+                "unhashed_block_ids": by_group([sorted(ids) for ids in unhashed]),
             }
         )
         self.attempts[req_id] += 1
+        # A sliding-window group's external range can hold nulls: it loads nothing there.
+        loaded = [view.block_id for group in views for view in group if not view.is_null]
         self.new_loads.append(
-            LoadRecord(req_id, self.attempts[req_id], is_async, local, ext, external)
+            LoadRecord(req_id, self.attempts[req_id], is_async, local, ext, loaded)
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -541,6 +651,23 @@ class DiffFakeConnector(KVConnectorBase_V1):
     def take_new_loads(self) -> list[LoadRecord]:
         loads, self.new_loads = self.new_loads, []
         return loads
+
+
+class DiffFakeHMAConnector(DiffFakeConnector, SupportsHMA):
+    """:class:`DiffFakeConnector` for several KV cache groups: vLLM hands a connector with
+    ``SupportsHMA`` every group's block ids when a request finishes."""
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._log.append(
+            {
+                "kind": "request_finished_all_groups",
+                "req_id": request.request_id,
+                "block_ids": [list(ids) for ids in block_ids],
+            }
+        )
+        return False, None
 
 
 class RecordingPublisher(EventPublisher):
@@ -699,7 +826,9 @@ def build_vllm_config(scn: Scenario, model_dir: Path) -> VllmConfig:
     )
     transfer = (
         KVTransferConfig(
-            kv_connector="DiffFakeConnector",
+            kv_connector=(
+                DiffFakeHMAConnector if scn.connector_hma else DiffFakeConnector
+            ).__name__,
             kv_connector_module_path=DiffFakeConnector.__module__,
             kv_role="kv_both",
             kv_load_failure_policy=scn.connector_policy,  # type: ignore[arg-type]
@@ -736,11 +865,21 @@ def build_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
     )
 
 
+def scenario_kv_cache_config(scn: Scenario) -> KVCacheConfig:
+    """The scenario's layout: :func:`build_kv_cache_config` (one full-attention group) when
+    it has none, else one group per item of ``scn.layout``, with its retention interval."""
+    if not scn.layout:
+        return build_kv_cache_config(scn.num_blocks, scn.block_size)
+    return kv_cache_config(
+        scn.layout, scn.num_blocks, scn.block_size, retention_interval=scn.retention_interval
+    )
+
+
 def build_scheduler(scn: Scenario, scheduler_cls: type[Scheduler], model_dir: Path) -> Scheduler:
     vllm_config = build_vllm_config(scn, model_dir)
     return scheduler_cls(
         vllm_config=vllm_config,
-        kv_cache_config=build_kv_cache_config(scn.num_blocks, scn.block_size),
+        kv_cache_config=scenario_kv_cache_config(scn),
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=scn.block_size,
         log_stats=True,
@@ -977,7 +1116,7 @@ class Driver:
                 self.pending_loads.append(_Pending(step + delay, load, fail))
             else:
                 self.coverage["load_sync"] += 1
-                if fail is not None:
+                if fail is not None and load.external_block_ids:
                     invalid.add(self._pick(load))
                     self._count_invalid(step, load, "sync")
         keep: list[_Pending] = []
@@ -986,7 +1125,7 @@ class Driver:
                 keep.append(pending)
                 continue
             finished.add(pending.load.req_id)
-            if pending.fail == "invalid":
+            if pending.fail == "invalid" and pending.load.external_block_ids:
                 invalid.add(self._pick(pending.load))
                 self._count_invalid(step, pending.load, "async")
             elif pending.fail == "failed_recving":

@@ -24,11 +24,29 @@ The load (seeded; both schedulers replay it exactly):
   vLLM from this module): every fourth request loads up to 256 tokens past its local
   prefix hit synchronously, and every fifth step one block of a load made in that step
   fails (``invalid_block_ids``, ``kv_load_failure_policy="recompute"``).
+* The hybrid rows (:data:`HYBRID_LAYOUTS`; 256 requests, 64 with ``--quick``) run the
+  same load on a model with several KV cache groups, as vLLM's hybrid manager sees one:
+  ``vllm_scheduler_gpt_oss_256`` one sliding-window group (window 128) and one
+  full-attention group, ``vllm_scheduler_gemma3_256`` six sliding-window groups (window
+  1,024) and one full group (``kvblocks.vllm.cpu.kv_cache_config``, retention interval
+  0, vLLM's engine default). All groups allocate from one pool, so it gets the
+  single-group row's 65,536 blocks for the full group plus, per sliding-window group,
+  what it holds once its windows fill: ``cdiv(window - 1, 16) + 1`` blocks per request,
+  and one step's worth of prefill (8,192 tokens) that it frees the step after.
+
+On the hybrid rows kvblocks' scheduler may build vLLM's own manager (``kvblocks.vllm``
+falls back for a configuration it does not manage). The row then still runs, but its
+description says ``FALLBACK`` and names the manager class on each side: its ratio is
+vLLM against vLLM, not a measurement of kvblocks. The classes are found by building
+the kvblocks side's scheduler once when the row is built, and checked every round.
 
 The model output of a step lists exactly that step's scheduled requests: no token for
 a request still in its prefill, else one fixed token per request. At the end of each
 round the sequence of scheduled token counts (every step, warm-up included) must equal
-the other scheduler's, a cheap check that both made the same decisions. kvblocks'
+the other scheduler's, a cheap check that both made the same decisions. On the hybrid
+rows every request's block table must have one row per group, and a sliding-window
+group must hold no more than its window's blocks for a request well past it (checked
+on the kvblocks side, whichever manager it runs). On the single-group rows kvblocks'
 scheduler must run kvblocks' manager (a fallback to vLLM's fails the run), and the
 ``vllm`` logger is set to ERROR: it logs each recovered load failure from inside
 ``update_from_output()``.
@@ -61,12 +79,20 @@ from kvblocks.bench.workloads import Workload, WorkloadSpec, _spec
 __all__ = [
     "CONNECTOR_CLASS",
     "GROUP",
+    "HYBRID_LAYOUTS",
+    "HYBRID_QUICK_SIZE",
+    "HYBRID_SIZE",
     "KV_LOAD_SIZES",
     "SIZES",
+    "HybridLayout",
+    "HybridManagers",
     "RoundRecord",
     "available",
+    "hybrid_managers",
+    "hybrid_num_blocks",
     "status",
     "vllm_scheduler",
+    "vllm_scheduler_hybrid",
     "workload_specs",
 ]
 
@@ -169,8 +195,12 @@ def _model_dir() -> str:
     return str(write_config_only_model(path))
 
 
-def _build_scheduler(scheduler_cls: Any, num_requests: int, kv_load: bool) -> Any:
-    """A ``scheduler_cls`` (vLLM's ``Scheduler`` or a subclass) for the bench's load."""
+def _build_scheduler(
+    scheduler_cls: Any, num_requests: int, kv_load: bool, groups: Sequence[Any] | None = None
+) -> Any:
+    """A ``scheduler_cls`` (vLLM's ``Scheduler`` or a subclass) for the bench's load: one
+    full-attention group of :data:`_NUM_BLOCKS` blocks, or with ``groups`` (a hybrid
+    row's ``GroupLayout``s) one group each, in a pool of :func:`hybrid_num_blocks`."""
     config = importlib.import_module("vllm.config")
     interface = importlib.import_module("vllm.v1.kv_cache_interface")
     structured = importlib.import_module("vllm.v1.structured_output")
@@ -205,6 +235,20 @@ def _build_scheduler(scheduler_cls: Any, num_requests: int, kv_load: bool) -> An
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
     )
+    if groups is not None:
+        num_blocks = hybrid_num_blocks(groups, num_requests)
+        cpu = importlib.import_module("kvblocks.vllm.cpu")
+        cache_config.num_gpu_blocks = num_blocks
+        return scheduler_cls(
+            vllm_config=vllm_config,
+            kv_cache_config=cpu.kv_cache_config(
+                groups, num_blocks, _BLOCK_SIZE, retention_interval=0
+            ),
+            structured_output_manager=structured.StructuredOutputManager(vllm_config),
+            block_size=_BLOCK_SIZE,
+            hash_block_size=_BLOCK_SIZE,
+            log_stats=True,
+        )
     spec = interface.FullAttentionSpec(
         block_size=_BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
@@ -338,7 +382,13 @@ class _Driver:
         "scheduler",
     )
 
-    def __init__(self, scheduler_cls: Any, script: _Script, kv_load: bool) -> None:
+    def __init__(
+        self,
+        scheduler_cls: Any,
+        script: _Script,
+        kv_load: bool,
+        groups: Sequence[Any] | None = None,
+    ) -> None:
         kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         hashing = importlib.import_module("vllm.utils.hashing")
         outputs = importlib.import_module("vllm.v1.outputs")
@@ -354,7 +404,7 @@ class _Driver:
         self._tokens: dict[str, int] = {}
         self.failed_loads = 0
         self.scheduled: list[tuple[tuple[str, int], ...]] = []
-        self.scheduler = _build_scheduler(scheduler_cls, script.num_requests, kv_load)
+        self.scheduler = _build_scheduler(scheduler_cls, script.num_requests, kv_load, groups)
 
     def _top_up(self) -> None:
         """Adds requests until ``N`` are unfinished (running or waiting)."""
@@ -550,11 +600,261 @@ def vllm_scheduler(
     )
 
 
+# --------------------------------------------------------------------------- hybrid rows
+
+
+@dataclass(frozen=True, slots=True)
+class HybridLayout:
+    """A multi-group model layout of the hybrid rows.
+
+    Attributes:
+        key: The row's name part: ``vllm_scheduler_<key>_<N>``.
+        label: What the layout is like, for the description (``"gpt-oss-like"``).
+        groups_name: The name of its groups in ``kvblocks.vllm.cpu`` (``"GPT_OSS_LIKE"``):
+            read when a row is built, since importing ``kvblocks.vllm`` imports vLLM.
+    """
+
+    key: str
+    label: str
+    groups_name: str
+
+    def groups(self) -> tuple[Any, ...]:
+        """The layout's ``kvblocks.vllm.cpu.GroupLayout``s, in vLLM's group order."""
+        return tuple(getattr(importlib.import_module("kvblocks.vllm.cpu"), self.groups_name))
+
+
+#: The hybrid rows' layouts, in report order.
+HYBRID_LAYOUTS = (
+    HybridLayout("gpt_oss", "gpt-oss-like", "GPT_OSS_LIKE"),
+    HybridLayout("gemma3", "Gemma-3-like", "GEMMA3_LIKE"),
+)
+#: Requests kept in the system on the hybrid rows ...
+HYBRID_SIZE = 256
+#: ... and with ``--quick``.
+HYBRID_QUICK_SIZE = 64
+
+
+def _window_blocks(window: int) -> int:
+    """The blocks a sliding-window group holds per request once its window is full:
+    ``cdiv(window - 1, block size) + 1``."""
+    return -(-(window - 1) // _BLOCK_SIZE) + 1
+
+
+def hybrid_num_blocks(groups: Sequence[Any], num_requests: int) -> int:
+    """The pool of a hybrid row: the single-group rows' 65,536 blocks per full-attention
+    group, and per sliding-window group ``num_requests`` full windows plus one step of
+    prefill (allocated for a whole chunk, freed below the window the step after).
+
+    Raises:
+        ValueError: A group is neither full attention nor sliding window.
+    """
+    total = 0
+    for group in groups:
+        if group.kind == "full":
+            total += _NUM_BLOCKS
+        elif group.kind == "sliding_window":
+            total += (
+                num_requests * _window_blocks(group.window) + _MAX_BATCHED_TOKENS // _BLOCK_SIZE
+            )
+        else:
+            raise ValueError(f"no hybrid row for {group.kind} groups")
+    return total
+
+
+def _describe_groups(groups: Sequence[Any]) -> str:
+    """``"6 sliding-window groups (window 1,024) + 1 full"``."""
+    windows = sorted({g.window for g in groups if g.kind == "sliding_window"})
+    local = sum(g.kind == "sliding_window" for g in groups)
+    full = sum(g.kind == "full" for g in groups)
+    plural = "s" if local > 1 else ""
+    sizes = ", ".join(f"{w:,}" for w in windows)
+    return f"{local} sliding-window group{plural} (window {sizes}) + {full} full"
+
+
+def _dotted(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True, slots=True)
+class HybridManagers:
+    """The KV cache manager classes a hybrid row runs, one per side.
+
+    Attributes:
+        kvblocks_side: The class kvblocks' scheduler built (the native column).
+        vllm_side: The class vLLM's own ``Scheduler`` built (the vLLM column).
+    """
+
+    kvblocks_side: type
+    vllm_side: type
+
+    @property
+    def fallback(self) -> bool:
+        """Whether kvblocks' scheduler runs a manager that is not kvblocks' own: then the
+        row times vLLM's manager on both sides and measures nothing of kvblocks."""
+        return self.kvblocks_side.__module__.partition(".")[0] != "kvblocks"
+
+    def describe(self) -> str:
+        """The description's tail: which manager ran on each side, and ``FALLBACK`` when
+        the kvblocks side is not kvblocks'."""
+        if self.fallback:
+            return (
+                f"FALLBACK, not a kvblocks measurement: kvblocks' scheduler ran "
+                f"{_dotted(self.kvblocks_side)}, vLLM's ran {_dotted(self.vllm_side)}"
+            )
+        return (
+            f"kvblocks' manager {_dotted(self.kvblocks_side)} (native) vs vLLM's "
+            f"{_dotted(self.vllm_side)}"
+        )
+
+
+def _table_check(driver: _Driver, groups: Sequence[Any]) -> None:
+    """Every running request has one block table per group, and each sliding-window
+    group holds at most its window's blocks (+1 at a block boundary) for a decoding
+    request past twice its window: the rest of its table is the null block (its first
+    entry)."""
+    manager = driver.scheduler.kv_cache_manager
+    checked = 0
+    for request in driver.scheduler.running:
+        tables = manager.get_block_ids(request.request_id)
+        if len(tables) != len(groups):
+            raise AssertionError(
+                f"{request.request_id}: {len(tables)} block tables for {len(groups)} groups"
+            )
+        if request.num_output_tokens < 2:
+            continue  # its last step may have allocated a whole prefill chunk
+        for group, table in zip(groups, tables, strict=True):
+            if group.kind != "sliding_window" or request.num_computed_tokens < 2 * group.window:
+                continue
+            live = sum(block != table[0] for block in table)
+            if live > _window_blocks(group.window) + 1:
+                raise AssertionError(
+                    f"{request.request_id}: a sliding-window group (window {group.window}) "
+                    f"holds {live} blocks at {request.num_computed_tokens} tokens"
+                )
+            checked += 1
+    assert checked, "no decoding request past a window to check"
+
+
+def hybrid_managers(
+    layout: HybridLayout, num_requests: int = HYBRID_SIZE, kvblocks_cls: Any = None
+) -> HybridManagers:
+    """The manager classes :func:`vllm_scheduler_hybrid` runs on each side: the
+    schedulers are built (not warmed up) and dropped.
+
+    Args:
+        layout: The row's layout.
+        num_requests: Requests kept in the system (sizes the pool).
+        kvblocks_cls: The native column's scheduler class; None:
+            ``kvblocks.vllm.KVBlocksScheduler``.
+    """
+    native = kvblocks_cls or importlib.import_module("kvblocks.vllm").KVBlocksScheduler
+    groups = layout.groups()
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    sides = [
+        type(_build_scheduler(cls, num_requests, False, groups).kv_cache_manager)
+        for cls in (native, _stock_scheduler())
+    ]
+    gc.collect()
+    return HybridManagers(*sides)
+
+
+def vllm_scheduler_hybrid(
+    layout: HybridLayout,
+    num_requests: int = HYBRID_SIZE,
+    *,
+    steps: int = 128,
+    seed: int = 0,
+    kvblocks_cls: Any = None,
+) -> Workload:
+    """vLLM's ``Scheduler`` step on a multi-group layout, with kvblocks' scheduler
+    (native column) and vLLM's own (vLLM column); otherwise :func:`vllm_scheduler`'s load,
+    without connector.
+
+    Which manager each side runs is found when the workload is built
+    (:func:`hybrid_managers`) and checked every round. When kvblocks' scheduler falls
+    back to vLLM's manager, the description says ``FALLBACK, not a kvblocks
+    measurement`` and names both classes: it lands in the printed table and in
+    ``results.json``.
+
+    Args:
+        layout: The row's layout (:data:`HYBRID_LAYOUTS`).
+        num_requests: Requests kept in the system (``N``).
+        steps: Steps timed per round, after the warm-up.
+        seed: Seeds the requests.
+        kvblocks_cls: The native column's scheduler class; None:
+            ``kvblocks.vllm.KVBlocksScheduler``.
+
+    Returns:
+        The workload, self-timed and without reference column, as :func:`vllm_scheduler`'s.
+    """
+    groups = layout.groups()
+    num_blocks = hybrid_num_blocks(groups, num_requests)
+    native = kvblocks_cls or importlib.import_module("kvblocks.vllm").KVBlocksScheduler
+    managers = hybrid_managers(layout, num_requests, native)
+    name = f"vllm_scheduler_{layout.key}_{num_requests}"
+    if managers.vllm_side.__module__.partition(".")[0] != "vllm":
+        raise AssertionError(
+            f"{name}: vLLM's own Scheduler runs {_dotted(managers.vllm_side)} "
+            "(kvblocks.vllm.install() in effect?)"
+        )
+    script = _script(num_requests, seed)
+    agreement = _Agreement(name)
+
+    def make(scheduler_cls: Any, expected: type) -> _Driver:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        gc.collect()  # the previous round's schedulers, before this one warms up
+        driver = _Driver(scheduler_cls, script, False, groups)
+        manager = type(driver.scheduler.kv_cache_manager)
+        if manager is not expected:
+            raise AssertionError(
+                f"{name}: {scheduler_cls.__qualname__} runs {_dotted(manager)}, not "
+                f"{_dotted(expected)} as when the row was built"
+            )
+        driver.warm_up()
+        return driver
+
+    def run_on(who: str) -> Any:
+        def run(driver: _Driver) -> tuple[float, RoundRecord]:
+            seconds, record = driver.run(steps)
+            agreement.check(who, driver.scheduled)
+            return seconds, record
+
+        return run
+
+    run_native = run_on("kvblocks' scheduler")
+
+    def check(driver: _Driver, record: RoundRecord) -> None:
+        assert record.steps == steps and record.mean_tokens > 0
+        _table_check(driver, groups)
+
+    return Workload(
+        name=name,
+        group="vllm scheduler",
+        description=(
+            f"vLLM Scheduler step, {layout.label}: {_describe_groups(groups)}; "
+            f"{num_requests:,} requests (shared 1,024-token prompt + 64-2,048, 32-256 out), "
+            f"{num_blocks:,} blocks, no connector; {managers.describe()}"
+        ),
+        ops=steps,
+        op_name="step",
+        setup=lambda backend: make(native, managers.kvblocks_side),
+        run=lambda backend, driver: run_native(driver),
+        check=check,
+        vllm_setup=lambda: make(_stock_scheduler(), managers.vllm_side),
+        vllm_run=run_on("vLLM's scheduler"),
+        has_reference=False,
+        self_timed=True,
+    )
+
+
 def workload_specs(quick: bool) -> list[WorkloadSpec]:
     """The group's workloads, not built yet; none when :func:`available` is False.
 
     ``quick`` times fewer steps per round (32 instead of 128) and runs the connector
-    variant at 256 requests only.
+    variant at 256 requests only. The hybrid rows (:data:`HYBRID_LAYOUTS`) come last:
+    at :data:`HYBRID_SIZE` requests, or :data:`HYBRID_QUICK_SIZE` with ``quick`` (vLLM's
+    step on them costs up to three times the single-group row's, and a round's cost
+    grows with the requests).
     """
     if not available():
         return []
@@ -564,5 +864,10 @@ def workload_specs(quick: bool) -> list[WorkloadSpec]:
     out += [
         _spec(f"vllm_scheduler_kv_load_{n}", vllm_scheduler, n, kv_load=True, steps=steps)
         for n in sizes
+    ]
+    n = HYBRID_QUICK_SIZE if quick else HYBRID_SIZE
+    out += [
+        _spec(f"vllm_scheduler_{layout.key}_{n}", vllm_scheduler_hybrid, layout, n, steps=steps)
+        for layout in HYBRID_LAYOUTS
     ]
     return out

@@ -6,10 +6,12 @@ Use it with vLLM's supported hook::
     vllm serve MODEL --scheduler-cls kvblocks.vllm.KVBlocksAsyncScheduler   # async scheduling on
 
 or ``LLM(..., scheduler_cls="kvblocks.vllm.KVBlocksScheduler")``. The scheduler builds
-kvblocks' :class:`KVCacheManager` (state and decisions in Rust) in place of vLLM's when
-the configuration is one plain full-attention KV cache group, and vLLM's own manager
-otherwise, logging the reason once at INFO. :func:`install` does the same for code that
-builds ``vllm.v1.core.sched.scheduler.Scheduler`` directly.
+kvblocks' :class:`KVCacheManager` (state and decisions in Rust) in place of vLLM's for
+one full-attention KV cache group, :class:`HybridKVCacheManager` for full,
+sliding-window and chunked-local groups of one block size (gpt-oss, Gemma 2/3, Cohere2,
+Llama 4), and vLLM's own manager otherwise, logging the reason once at INFO.
+:func:`install` does the same for code that builds
+``vllm.v1.core.sched.scheduler.Scheduler`` directly.
 
 Importing this module imports vLLM; ``import kvblocks`` never does.
 """
@@ -26,6 +28,7 @@ from kvblocks.vllm.factory import (  # noqa: E402
     uninstall,
     unsupported_reason,
 )
+from kvblocks.vllm.hybrid import HybridKVCacheManager  # noqa: E402
 from kvblocks.vllm.manager import KVCacheManager  # noqa: E402
 from kvblocks.vllm.scheduler import (  # noqa: E402
     KVBlocksAsyncScheduler,
@@ -35,6 +38,7 @@ from kvblocks.vllm.scheduler import (  # noqa: E402
 )
 
 __all__ = [
+    "HybridKVCacheManager",
     "KVBlocksAsyncScheduler",
     "KVBlocksScheduler",
     "KVCacheManager",

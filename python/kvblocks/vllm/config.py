@@ -1,6 +1,7 @@
 """The arguments vLLM 0.33.0's Scheduler builds its ``KVCacheManager`` with, and which
-configurations kvblocks manages: exactly one full-attention KV cache group (plain, or
-promoted from sliding-window or chunked-local layers)."""
+configurations kvblocks manages: KV cache groups of full attention (plain, MLA, or
+promoted from sliding-window or chunked-local layers), sliding-window and chunked-local
+attention, all of one block size."""
 
 from __future__ import annotations
 
@@ -9,13 +10,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupRole,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 
-__all__ = ["FULL_ATTENTION_SPECS", "POOL_CONNECTORS", "ManagerArgs", "config_reason"]
+__all__ = [
+    "FULL_ATTENTION_SPECS",
+    "LOCAL_ATTENTION_SPECS",
+    "POOL_CONNECTORS",
+    "ManagerArgs",
+    "config_reason",
+]
 
 #: Connectors that reach into vLLM's real pool or coordinator objects (ref-count
 #: pinning through ``pool.blocks``, free-list walks, per-group coordinators).
@@ -23,8 +32,11 @@ POOL_CONNECTORS = frozenset(
     {"SimpleCPUOffloadConnector", "MooncakeStoreConnector", "HiSparseConnector", "UMBPConnector"}
 )
 
-#: The spec types whose single group kvblocks manages.
+#: The full-attention spec types kvblocks manages.
 FULL_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+#: The local-attention spec types kvblocks manages (exact types: subclasses such as
+#: sliding-window MLA have managers of their own in vLLM).
+LOCAL_ATTENTION_SPECS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,23 +64,43 @@ class ManagerArgs:
     def unsupported_reason(self) -> str | None:
         """Why kvblocks cannot manage this configuration, or None when it can."""
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            return f"{len(groups)} KV cache groups (kvblocks manages exactly one)"
-        group = groups[0]
-        spec = group.kv_cache_spec
-        # A full-attention spec with `sliding_window` or `attention_chunk_size` set is
-        # what vLLM promotes local layers to with the hybrid manager off: its manager is
-        # plain full attention, and so is kvblocks'.
-        if not isinstance(spec, FullAttentionSpec) or type(spec) not in FULL_ATTENTION_SPECS:
-            return f"KV cache spec {type(spec).__name__} is not plain full attention"
-        if group.role != KVCacheGroupRole.DEFAULT or group.is_eagle_group:
-            return f"KV cache group role {group.role.value} (eagle group: {group.is_eagle_group})"
+        if not groups:
+            return "no KV cache group (an attention-free model)"
+        for group in groups:
+            spec = group.kv_cache_spec
+            # A full-attention spec with `sliding_window` or `attention_chunk_size` set
+            # is what vLLM promotes local layers to with the hybrid manager off: its
+            # manager is plain full attention, and so is kvblocks'.
+            if type(spec) not in FULL_ATTENTION_SPECS + LOCAL_ATTENTION_SPECS:
+                return (
+                    f"KV cache spec {type(spec).__name__} is not full, sliding-window or "
+                    "chunked-local attention"
+                )
+            if group.role != KVCacheGroupRole.DEFAULT or group.is_eagle_group:
+                return (
+                    f"KV cache group role {group.role.value} (eagle group: {group.is_eagle_group})"
+                )
+            if spec.block_size != self.scheduler_block_size:
+                return (
+                    f"block sizes differ (group {spec.block_size}, "
+                    f"scheduler {self.scheduler_block_size})"
+                )
+        if self.hash_block_size != self.scheduler_block_size:
+            return (
+                f"block sizes differ (scheduler {self.scheduler_block_size}, "
+                f"hash {self.hash_block_size})"
+            )
         if self.kv_cache_config.needs_kv_cache_zeroing:
             return "the KV cache needs zeroing (Mamba layers or mixed precision)"
-        # Full attention caches densely: vLLM accepts only None or 0 for it (and raises
-        # its own error for anything else, which falling back lets it do).
-        if self.kv_cache_config.prefix_cache_retention_interval not in (None, 0):
-            return "a prefix-cache retention interval is set"
+        retention = self.kv_cache_config.prefix_cache_retention_interval
+        # vLLM refuses a retention interval it cannot use with its own error, which
+        # falling back lets it raise.
+        if retention not in (None, 0) and (
+            not any(type(g.kv_cache_spec) is SlidingWindowSpec for g in groups)
+            or retention < 0
+            or retention % self.scheduler_block_size
+        ):
+            return f"prefix-cache retention interval {retention} (vLLM refuses it)"
         if self.dcp_world_size != 1 or self.pcp_world_size != 1:
             return (
                 f"context parallelism (dcp_world_size={self.dcp_world_size}, "
@@ -84,15 +116,12 @@ class ManagerArgs:
             return "Mamba shared-prefix checkpoints"
         if self.metrics_collector is not None:
             return "a KV cache metrics collector (observability kv_cache_metrics)"
-        if (
-            spec.block_size != self.scheduler_block_size
-            or self.hash_block_size != self.scheduler_block_size
-        ):
-            return (
-                f"block sizes differ (spec {spec.block_size}, "
-                f"scheduler {self.scheduler_block_size}, hash {self.hash_block_size})"
-            )
         return None
+
+    def single_full_attention_group(self) -> bool:
+        """Whether the layout is one full-attention group (kvblocks' fastest manager)."""
+        groups = self.kv_cache_config.kv_cache_groups
+        return len(groups) == 1 and type(groups[0].kv_cache_spec) in FULL_ATTENTION_SPECS
 
 
 def config_reason(vllm_config: Any) -> str | None:

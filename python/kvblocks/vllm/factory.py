@@ -1,5 +1,6 @@
-"""Which KV cache manager vLLM's Scheduler gets: kvblocks' when the configuration is
-one plain full-attention group, vLLM's own otherwise (with the reason logged once)."""
+"""Which KV cache manager vLLM's Scheduler gets: kvblocks' when it supports the layout
+(one full-attention group, or full, sliding-window and chunked-local groups of one
+block size), vLLM's own otherwise (with the reason logged once)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 from kvblocks.vllm.config import ManagerArgs, config_reason
+from kvblocks.vllm.hybrid import HybridKVCacheManager
 from kvblocks.vllm.manager import KVCacheManager
 
 __all__ = [
@@ -39,7 +41,9 @@ def unsupported_reason(*, vllm_config: Any = None, **kwargs: Any) -> str | None:
     return reason
 
 
-def make_kv_cache_manager(**kwargs: Any) -> KVCacheManager | VllmKVCacheManager:
+def make_kv_cache_manager(
+    **kwargs: Any,
+) -> KVCacheManager | HybridKVCacheManager | VllmKVCacheManager:
     """kvblocks' manager for a supported configuration, vLLM's own otherwise.
 
     Takes exactly the keyword arguments vLLM 0.33.0's Scheduler passes to
@@ -51,10 +55,12 @@ def make_kv_cache_manager(**kwargs: Any) -> KVCacheManager | VllmKVCacheManager:
     if reason is not None:
         logger.info("kvblocks: using vLLM's own KV cache manager: %s", reason)
         return VllmKVCacheManager(**kwargs)
-    return KVCacheManager(**kwargs)
+    if ManagerArgs(**kwargs).single_full_attention_group():
+        return KVCacheManager(**kwargs)
+    return HybridKVCacheManager(**kwargs)
 
 
-def _installed_factory(**kwargs: Any) -> KVCacheManager | VllmKVCacheManager:
+def _installed_factory(**kwargs: Any) -> KVCacheManager | HybridKVCacheManager | VllmKVCacheManager:
     """The factory :func:`install` puts in the scheduler module: it finds the config of
     the Scheduler being built (the caller's ``self``) for the config-level checks."""
     caller = sys._getframe(1).f_locals.get("self")

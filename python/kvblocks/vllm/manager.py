@@ -11,7 +11,7 @@ for one full-attention group. Events are built natively as vLLM's own event clas
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.kv_cache_interface import (
@@ -37,6 +37,15 @@ def block_ids(blocks: Iterable[KVCacheBlockView | int]) -> list[int]:
     return [b if isinstance(b, int) else b.block_id for b in blocks]
 
 
+class PoolOwner(Protocol):
+    """What the pool views read of a manager (one group's or several's)."""
+
+    def block(self, block_id: int) -> KVCacheBlockView: ...
+    def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
+    @property
+    def block_pool(self) -> BlockPool: ...
+
+
 class BlockPool:
     """vLLM's ``BlockPool`` members that the Scheduler and id-level connectors use, on
     the manager's native pool. Blocks come back as live :class:`KVCacheBlockView` objects;
@@ -60,7 +69,7 @@ class BlockPool:
 
     def __init__(
         self,
-        manager: KVCacheManager,
+        manager: PoolOwner,
         pool: Any,
         *,
         enable_caching: bool,
@@ -168,7 +177,7 @@ class BlockViews(Sequence[KVCacheBlockView]):
 
     __slots__ = ("_manager",)
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: PoolOwner) -> None:
         self._manager = manager
 
     @overload
@@ -324,6 +333,10 @@ class KVCacheManager(VllmKVCacheManager):
     def __new__(cls, *args: Any, **kwargs: Any) -> KVCacheManager:
         config = ManagerArgs(*args, **kwargs)
         reason = config.unsupported_reason()
+        if reason is None and not config.single_full_attention_group():
+            reason = (
+                "several KV cache groups or a local-attention group (HybridKVCacheManager does)"
+            )
         if reason is not None:
             raise ValueError(f"kvblocks' KVCacheManager does not support {reason}")
         return super().__new__(

@@ -9,6 +9,8 @@
 //! * [`pool`] — the block pool: ref counts, allocation, frees, touch, caching, eviction.
 //! * [`hashing`] — vLLM-identical block hashing (pickle / CBOR serialisation, SHA-256, xxh3).
 //! * [`manager`] — the request-level KV cache manager for one full-attention group.
+//! * [`hybrid`] — vLLM's manager over several groups (full, sliding-window and
+//!   chunked-local attention) or one local-attention group.
 //! * [`request`] — what the manager reads of a request, behind two small traits.
 //! * [`rollback`] — rolling requests back past KV blocks whose load failed.
 //! * [`events`] — KV cache events (vLLM's `BlockStored` / `BlockRemoved` /
@@ -19,6 +21,7 @@ pub mod error;
 pub mod events;
 pub mod free_queue;
 pub mod hashing;
+pub mod hybrid;
 mod index;
 pub mod manager;
 pub mod new_blocks;

@@ -120,6 +120,53 @@ pub struct PrefixCacheStats {
 const NOTHING_TO_PLACE: &str =
     "num_new_tokens must be greater than 0 when there are no computed tokens to adopt";
 
+/// vLLM's `int(watermark * num_blocks)`, where vLLM first asserts `watermark >= 0.0`
+/// ([`Error::Assertion`], also for NaN) and `int(inf)` overflows ([`Error::Overflow`]).
+///
+/// # Errors
+/// As said.
+pub(crate) fn watermark_blocks(watermark: f64, num_blocks: u32) -> Result<usize> {
+    if watermark == f64::INFINITY {
+        return Err(Error::Overflow(
+            "cannot convert float infinity to integer".to_owned(),
+        ));
+    }
+    if !watermark.is_finite() || watermark < 0.0 {
+        return Err(Error::Assertion(format!(
+            "watermark must be a finite non-negative fraction, got {watermark}"
+        )));
+    }
+    // Truncation toward zero is vLLM's `int()`; the product is non-negative.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    Ok((watermark * f64::from(num_blocks)) as usize)
+}
+
+/// vLLM's `block_pool.evict_blocks`: it evicts in the given order and stops at the
+/// first id it refuses, the ones before it evicted. An id past the pool fails its
+/// assert, and a negative one counts from the end.
+///
+/// # Errors
+/// [`Error::Assertion`] for an id of `num_blocks` or more; [`Error::UnknownBlock`] for
+/// one below `-num_blocks`.
+pub(crate) fn evict_as_vllm(
+    pool: &mut BlockPool,
+    block_ids: &[i64],
+) -> Result<Vec<(BlockHash, u32)>> {
+    let n = i64::from(pool.num_blocks());
+    let mut removed = Vec::new();
+    for &id in block_ids {
+        if id >= n {
+            return Err(Error::Assertion(format!(
+                "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
+                 workers should only report block IDs that were allocated by the scheduler."
+            )));
+        }
+        let id = if id < 0 { id.saturating_add(n) } else { id };
+        removed.extend(pool.evict_blocks(&[id])?);
+    }
+    Ok(removed)
+}
+
 /// The token layout of one `allocate_slots` call, in vLLM's signed arithmetic.
 #[derive(Debug, Clone, Copy)]
 struct SlotCounts {
@@ -262,21 +309,12 @@ impl KVCacheManager {
     /// # Errors
     /// A refusal ([`Self::refuse`]) of a negative or non-finite fraction.
     pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
-        // vLLM asserts `watermark >= 0.0`, then `int(inf * num_blocks)` overflows.
-        if watermark == f64::INFINITY && !self.strict() {
-            return Err(Error::Overflow(
-                "cannot convert float infinity to integer".to_owned(),
-            ));
-        }
-        if !watermark.is_finite() || watermark < 0.0 {
-            return Err(self.refuse(format!(
+        if self.strict() && !(watermark.is_finite() && watermark >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
                 "watermark must be a finite non-negative fraction, got {watermark}"
             )));
         }
-        // Truncation toward zero is vLLM's `int()`; the product is non-negative.
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let blocks = (watermark * f64::from(self.pool.num_blocks())) as usize;
-        self.watermark_blocks = blocks;
+        self.watermark_blocks = watermark_blocks(watermark, self.pool.num_blocks())?;
         Ok(())
     }
 
@@ -779,21 +817,7 @@ impl KVCacheManager {
         if self.strict() {
             return self.pool.evict_blocks(block_ids);
         }
-        // vLLM evicts in the given order and stops at the first id it refuses, the
-        // ones before it evicted.
-        let n = i64::from(self.pool.num_blocks());
-        let mut removed = Vec::new();
-        for &id in block_ids {
-            if id >= n {
-                return Err(Error::Assertion(format!(
-                    "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
-                     workers should only report block IDs that were allocated by the scheduler."
-                )));
-            }
-            let id = if id < 0 { id.saturating_add(n) } else { id };
-            removed.extend(self.pool.evict_blocks(&[id])?);
-        }
-        Ok(removed)
+        evict_as_vllm(&mut self.pool, block_ids)
     }
 
     /// [`BlockPool::reset_prefix_cache`]; on success also marks the stats as reset.

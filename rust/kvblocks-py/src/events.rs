@@ -42,6 +42,9 @@ struct EventStructs {
     removed: Py<PyAny>,
     cleared: Py<PyAny>,
     spec_kind: String,
+    /// Per group, `(kv_cache_spec_kind, kv_cache_spec_sliding_window)` when the groups
+    /// differ (vLLM's `kv_cache_event_metadata`); `spec_kind` and no window otherwise.
+    groups: Vec<(String, Option<i64>)>,
 }
 
 impl EventStructs {
@@ -53,6 +56,7 @@ impl EventStructs {
             removed: module.getattr("BlockRemoved")?.unbind(),
             cleared: module.getattr("AllBlocksCleared")?.unbind(),
             spec_kind,
+            groups: Vec::new(),
         })
     }
 }
@@ -76,15 +80,31 @@ impl EventState {
         manager: &mut KVCacheManager,
         last_copy_removal: bool,
     ) -> PyResult<Self> {
+        let state = Self::new(py)?;
+        manager.enable_kv_cache_events(last_copy_removal);
+        Ok(state)
+    }
+
+    /// The settings alone, for a manager that switches its own core events on.
+    pub fn new(py: Python<'_>) -> PyResult<Self> {
         let events = py.import(EVENTS_MODULE)?;
         let int_hashes = events.call_method0("use_int_block_hashes")?.extract()?;
         let structs = EventStructs::of(&events, FULL_ATTENTION.to_owned())?;
-        manager.enable_kv_cache_events(last_copy_removal);
         Ok(Self {
             int_hashes,
             structs,
             fields: Vec::new(),
         })
+    }
+
+    /// Drops the request fields of the records taken.
+    pub fn clear_fields(&mut self) {
+        self.fields.clear();
+    }
+
+    /// Annotates each group's `BlockStored` with its `(kind, sliding window)`.
+    pub fn set_groups(&mut self, groups: Vec<(String, Option<i64>)>) {
+        self.structs.groups = groups;
     }
 
     /// Builds the events as the classes of `module` (vLLM's `kv_events`), with
@@ -116,7 +136,8 @@ impl EventState {
                 )));
             }
         }
-        self.structs = structs;
+        let groups = std::mem::take(&mut self.structs.groups);
+        self.structs = EventStructs { groups, ..structs };
         Ok(())
     }
 
@@ -140,7 +161,20 @@ pub fn take_events<'py>(
     let Some(state) = state else {
         return Ok(PyList::empty(py));
     };
-    let log = manager.events();
+    let out = build_events(py, manager.events(), state)?;
+    // Only once every object was built: a failure above loses no event.
+    manager.clear_events();
+    state.fields.clear();
+    Ok(out)
+}
+
+/// The events of `log` as the state's event structs, oldest first; the caller
+/// clears the log and `state.fields` once this succeeded.
+pub fn build_events<'py>(
+    py: Python<'py>,
+    log: &EventLog,
+    state: &EventState,
+) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
     if log.is_empty() {
         return Ok(out);
@@ -150,6 +184,7 @@ pub fn take_events<'py>(
         removed,
         cleared,
         spec_kind,
+        groups,
     } = &state.structs;
     let (stored, removed, cleared) = (stored.bind(py), removed.bind(py), cleared.bind(py));
     let block_size = log.config().map_or(0, |c| c.block_size);
@@ -173,6 +208,12 @@ pub fn take_events<'py>(
                             .extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>(
                             )?
                     }
+                    // vLLM publishes no list for a record that stored nothing.
+                    None if hashes.is_empty() => (
+                        py.None().into_bound(py),
+                        py.None().into_bound(py),
+                        py.None().into_bound(py),
+                    ),
                     None => (
                         py.None().into_bound(py),
                         py.None().into_bound(py),
@@ -189,7 +230,10 @@ pub fn take_events<'py>(
                     lora_name,
                     extra_keys,
                     s.group,
-                    spec_kind.as_str(),
+                    groups
+                        .get(ix(s.group))
+                        .map_or(spec_kind.as_str(), |(kind, _)| kind.as_str()),
+                    groups.get(ix(s.group)).and_then(|(_, window)| *window),
                 ))?
             }
             EventRecord::Removed { hash, group } => removed.call1((
@@ -201,10 +245,12 @@ pub fn take_events<'py>(
         };
         out.append(event)?;
     }
-    // Only once every object was built: a failure above loses no event.
-    manager.clear_events();
-    state.fields.clear();
     Ok(out)
+}
+
+/// A group id as an index.
+fn ix(group: u32) -> usize {
+    usize::try_from(group).unwrap_or(usize::MAX)
 }
 
 /// A request's token ids (and `BlockStored` request fields) for the core, collected

@@ -12,6 +12,7 @@ mod pool;
 mod request;
 mod rollback;
 mod vllm;
+mod vllm_hybrid;
 
 use pyo3::prelude::*;
 
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vllm::PyVllmManager>()?;
     m.add_class::<vllm::PyKVCacheBlocks>()?;
     m.add_class::<vllm::PyBlockView>()?;
+    m.add_class::<vllm_hybrid::PyHybridManager>()?;
     m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(
         rollback::update_requests_with_invalid_blocks,

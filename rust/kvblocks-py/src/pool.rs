@@ -15,6 +15,7 @@ use crate::convert::{
 };
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
+use crate::vllm_hybrid::PyHybridManager;
 
 #[doc = docstring!(KVCacheBlock)]
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlock", frozen, eq, hash)]
@@ -98,6 +99,8 @@ enum PoolSource {
     /// The pool inside a `KVCacheManager` (its `block_pool` attribute): a view that
     /// borrows the manager for each call, so both always see the same state.
     Manager(Py<PyKVCacheManager>),
+    /// The pool inside `kvblocks.vllm`'s multi-group manager, viewed the same way.
+    Hybrid(Py<PyHybridManager>),
 }
 
 #[doc = docstring!(BlockPool)]
@@ -116,6 +119,14 @@ impl PyBlockPool {
         }
     }
 
+    /// The view of a multi-group manager's pool.
+    pub fn of_hybrid(manager: Py<PyHybridManager>, block_size: i64) -> Self {
+        Self {
+            source: PoolSource::Hybrid(manager),
+            block_size,
+        }
+    }
+
     /// Runs `f` on the pool. A manager's pool is borrowed from the manager for the
     /// call; if the manager is itself in the middle of a call (Python code it ran, such
     /// as a request's `block_hashes`, reached back into the pool), this raises
@@ -124,6 +135,7 @@ impl PyBlockPool {
         match &self.source {
             PoolSource::Own(pool) => Ok(f(pool)),
             PoolSource::Manager(m) => Ok(f(m.bind(py).try_borrow()?.inner.block_pool())),
+            PoolSource::Hybrid(m) => Ok(f(m.bind(py).try_borrow()?.core().block_pool())),
         }
     }
 
@@ -132,6 +144,9 @@ impl PyBlockPool {
         match &mut self.source {
             PoolSource::Own(pool) => Ok(f(pool)),
             PoolSource::Manager(m) => Ok(f(m.bind(py).try_borrow_mut()?.inner.block_pool_mut())),
+            PoolSource::Hybrid(m) => {
+                Ok(f(m.bind(py).try_borrow_mut()?.core_mut().block_pool_mut()))
+            }
         }
     }
 }
@@ -140,8 +155,10 @@ impl PyBlockPool {
 impl PyBlockPool {
     /// A manager's view refers to its manager (and the manager to its view).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        if let PoolSource::Manager(manager) = &self.source {
-            visit.call(manager)?;
+        match &self.source {
+            PoolSource::Manager(manager) => visit.call(manager)?,
+            PoolSource::Hybrid(manager) => visit.call(manager)?,
+            PoolSource::Own(_) => {}
         }
         Ok(())
     }

@@ -13,10 +13,10 @@ use std::ops::Range;
 
 use hashbrown::HashMap;
 use kvblocks_core::manager::{Lookup, SlotRequest, Tolerance};
-use kvblocks_core::pool::{BlockInfo, NULL_BLOCK_ID};
+use kvblocks_core::pool::{BlockInfo, BlockPool, NULL_BLOCK_ID};
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
-use pyo3::exceptions::{PyIndexError, PyTypeError};
+use pyo3::exceptions::{PyAssertionError, PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySequence, PyString, PyTuple};
@@ -26,11 +26,12 @@ use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::RequestTokens;
 use crate::manager::{PyHashes, PyKVCacheManager};
+use crate::vllm_hybrid::PyHybridManager;
 
 /// The block hashes of one request converted so far, and the `block_hashes` item the
 /// last of them was read from.
 #[derive(Default)]
-struct HashCache {
+pub(crate) struct HashCache {
     hashes: Vec<BlockHash>,
     last: Option<Py<PyAny>>,
 }
@@ -40,7 +41,7 @@ impl HashCache {
     /// cuts its tail and regrows it (a streaming session's update) or rebuilds it: then
     /// the item the last cached hash came from is no longer in its place (an identity
     /// test, one item per call), and the cache starts over.
-    fn sync(&mut self, source: &PyHashes<'_>) -> PyResult<()> {
+    pub(crate) fn sync(&mut self, source: &PyHashes<'_>) -> PyResult<()> {
         if self.hashes.len() > source.num_hashes() {
             self.hashes.truncate(source.num_hashes());
             self.last = self
@@ -66,9 +67,9 @@ impl HashCache {
 
 /// A request's block hashes: those read before from its [`HashCache`], the rest
 /// converted from `request.block_hashes` as the core asks for them and added to it.
-struct CachedHashes<'a, 'py> {
-    source: PyHashes<'py>,
-    cache: RefCell<&'a mut HashCache>,
+pub(crate) struct CachedHashes<'a, 'py> {
+    pub(crate) source: PyHashes<'py>,
+    pub(crate) cache: RefCell<&'a mut HashCache>,
 }
 
 impl CachedHashes<'_, '_> {
@@ -107,15 +108,15 @@ impl HashSource for CachedHashes<'_, '_> {
 }
 
 /// What the manager reads of a vLLM `Request`, read once per call.
-struct VllmRequest<'py> {
-    request_id: Bound<'py, PyString>,
-    num_tokens: i64,
-    num_computed_tokens: i64,
-    block_hashes: PyHashes<'py>,
+pub(crate) struct VllmRequest<'py> {
+    pub(crate) request_id: Bound<'py, PyString>,
+    pub(crate) num_tokens: i64,
+    pub(crate) num_computed_tokens: i64,
+    pub(crate) block_hashes: PyHashes<'py>,
 }
 
 impl<'py> VllmRequest<'py> {
-    fn read(request: &Bound<'py, PyAny>) -> PyResult<Self> {
+    pub(crate) fn read(request: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = request.py();
         let attr = |name: &Bound<'py, PyString>| request.getattr(name).map_err(|e| named(name, &e));
         let hashes = intern!(py, "block_hashes");
@@ -136,7 +137,10 @@ impl<'py> VllmRequest<'py> {
 }
 
 /// An int attribute of the request; an error names it.
-fn request_attr(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+pub(crate) fn request_attr(
+    request: &Bound<'_, PyAny>,
+    name: &Bound<'_, PyString>,
+) -> PyResult<i64> {
     request
         .getattr(name)
         .and_then(|v| v.extract())
@@ -154,17 +158,51 @@ fn named(name: &Bound<'_, PyString>, err: &PyErr) -> PyErr {
 }
 
 /// `request.request_id`.
-fn request_id(request: &Bound<'_, PyAny>) -> PyResult<String> {
+pub(crate) fn request_id(request: &Bound<'_, PyAny>) -> PyResult<String> {
     request
         .getattr(intern!(request.py(), "request_id"))?
         .extract()
 }
 
 /// `getattr(request, name, False)`, by truthiness.
-fn request_flag(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<bool> {
+pub(crate) fn request_flag(
+    request: &Bound<'_, PyAny>,
+    name: &Bound<'_, PyString>,
+) -> PyResult<bool> {
     request
         .getattr_opt(name)?
         .map_or(Ok(false), |v| v.is_truthy())
+}
+
+/// The manager whose pool a result's blocks are in.
+pub(crate) enum PoolOwner {
+    Single(Py<PyVllmManager>),
+    Hybrid(Py<PyHybridManager>),
+}
+
+impl PoolOwner {
+    fn clone_ref(&self, py: Python<'_>) -> Self {
+        match self {
+            Self::Single(m) => Self::Single(m.clone_ref(py)),
+            Self::Hybrid(m) => Self::Hybrid(m.clone_ref(py)),
+        }
+    }
+
+    /// Runs `f` on the owner's pool.
+    fn with_pool<R>(&self, py: Python<'_>, f: impl FnOnce(&BlockPool) -> R) -> PyResult<R> {
+        match self {
+            Self::Single(m) => Ok(f(m.bind(py).try_borrow()?.as_super().inner.block_pool())),
+            Self::Hybrid(m) => Ok(f(m.bind(py).try_borrow()?.core().block_pool())),
+        }
+    }
+
+    /// A live view of block `block_id`.
+    pub(crate) fn view(&self, py: Python<'_>, block_id: u32) -> PyBlockView {
+        PyBlockView {
+            manager: self.clone_ref(py),
+            block_id,
+        }
+    }
 }
 
 /// The blocks of one allocation or lookup, for vLLM's Scheduler and connectors.
@@ -173,41 +211,87 @@ fn request_flag(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyRes
 /// :class:`KVCacheBlock` snapshot per block (with its current hash state) when read.
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlocks", frozen)]
 pub struct PyKVCacheBlocks {
+    /// Every group's ids, group after group.
     ids: Vec<u32>,
+    /// Where each group's ids end in `ids`; empty for one group (all of `ids`).
+    ends: Vec<usize>,
     /// The manager whose pool the blocks are in (`None` for results with no blocks).
-    manager: Option<Py<PyVllmManager>>,
+    manager: Option<PoolOwner>,
 }
 
 impl PyKVCacheBlocks {
-    /// Whether each block is cached, read from the manager's pool.
-    fn hashed(&self, py: Python<'_>) -> PyResult<Vec<bool>> {
-        let Some(manager) = &self.manager else {
-            return Ok(Vec::new());
-        };
-        let manager = manager.bind(py).try_borrow()?;
-        let pool = manager.as_super().inner.block_pool();
-        Ok(self.ids.iter().map(|&b| pool.block_is_cached(b)).collect())
+    /// One group's ids.
+    pub(crate) fn single(ids: Vec<u32>, manager: Option<PoolOwner>) -> Self {
+        Self {
+            ids,
+            ends: Vec::new(),
+            manager,
+        }
     }
 
-    /// The ids of the blocks without a hash.
-    fn unhashed(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        let hashed = self.hashed(py)?;
-        Ok(self
-            .ids
+    /// Several groups' ids.
+    pub(crate) fn grouped<'a>(
+        groups: impl IntoIterator<Item = &'a [u32]>,
+        manager: Option<PoolOwner>,
+    ) -> Self {
+        let mut ids = Vec::new();
+        let mut ends = Vec::new();
+        for group in groups {
+            ids.extend_from_slice(group);
+            ends.push(ids.len());
+        }
+        Self { ids, ends, manager }
+    }
+
+    /// Each group's ids.
+    pub(crate) fn groups(&self) -> Vec<&[u32]> {
+        if self.ends.is_empty() {
+            return vec![&self.ids];
+        }
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let group = &self.ids[start..end];
+                start = end;
+                group
+            })
+            .collect()
+    }
+
+    /// Whether each block of `ids` is cached, read from the manager's pool.
+    fn hashed(&self, py: Python<'_>, ids: &[u32]) -> PyResult<Vec<bool>> {
+        let Some(manager) = &self.manager else {
+            return Ok(vec![false; ids.len()]);
+        };
+        manager.with_pool(py, |pool| {
+            ids.iter().map(|&b| pool.block_is_cached(b)).collect()
+        })
+    }
+
+    /// The ids of the non-null blocks of `ids` without a hash, after its leading nulls.
+    fn unhashed(&self, py: Python<'_>, ids: &[u32]) -> PyResult<Vec<u32>> {
+        let first = ids
+            .iter()
+            .position(|&b| b != NULL_BLOCK_ID)
+            .unwrap_or(ids.len());
+        let ids = &ids[first..];
+        let hashed = self.hashed(py, ids)?;
+        Ok(ids
             .iter()
             .zip(hashed)
-            .filter_map(|(&id, h)| (!h).then_some(id))
+            .filter_map(|(&id, h)| (!h && id != NULL_BLOCK_ID).then_some(id))
             .collect())
     }
 }
 
 #[pymethods]
 impl PyKVCacheBlocks {
-    /// The block ids, one list per KV cache group: ``([ids...],)``.
+    /// The block ids, one list per KV cache group: ``([ids...], ...)``.
     ///
     /// Args:
     ///     allow_none: Return ``None`` when every selected group is empty.
-    ///     group_ids: The groups to include (only group 0 exists); all by default.
+    ///     group_ids: The groups to include; all by default.
     #[pyo3(
         signature = (allow_none=Flag::FALSE, *, group_ids=None),
         text_signature = "(self, allow_none=False, *, group_ids=None)"
@@ -218,50 +302,70 @@ impl PyKVCacheBlocks {
         allow_none: Flag,
         group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let num_groups = match group_ids {
-            None => 1,
+        let groups = self.groups();
+        let selected: Vec<&[u32]> = match group_ids {
+            None => groups,
             Some(ids) => {
-                let mut n = 0;
+                let n = i64::try_from(groups.len()).unwrap_or(i64::MAX);
+                let mut selected = Vec::new();
                 for id in ids.try_iter()? {
                     let id: i64 = id?.extract()?;
-                    if id != 0 && id != -1 {
-                        return Err(PyIndexError::new_err("tuple index out of range"));
-                    }
-                    n += 1;
+                    // Python's tuple indexing: a negative index counts from the end.
+                    let at = if id < 0 { id + n } else { id };
+                    let group = usize::try_from(at)
+                        .ok()
+                        .and_then(|i| groups.get(i))
+                        .ok_or_else(|| PyIndexError::new_err("tuple index out of range"))?;
+                    selected.push(*group);
                 }
-                n
+                selected
             }
         };
-        if allow_none.0 && (self.ids.is_empty() || num_groups == 0) {
+        if allow_none.0 && selected.iter().all(|g| g.is_empty()) {
             return Ok(None);
         }
-        let lists = (0..num_groups)
-            .map(|_| PyList::new(py, &self.ids))
+        let lists = selected
+            .into_iter()
+            .map(|g| PyList::new(py, g))
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Some(PyTuple::new(py, lists)?))
     }
 
     /// The ids of the blocks that have no hash (one group only, as vLLM asserts).
     fn get_unhashed_block_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        self.unhashed(py)
+        let groups = self.groups();
+        if groups.len() != 1 {
+            return Err(PyAssertionError::new_err("Only one group is supported"));
+        }
+        let hashed = self.hashed(py, groups[0])?;
+        Ok(groups[0]
+            .iter()
+            .zip(hashed)
+            .filter_map(|(&id, h)| (!h).then_some(id))
+            .collect())
     }
 
-    /// :meth:`get_unhashed_block_ids` per group (tables never hold the null block).
+    /// Per group, the ids of the blocks without a hash, leading nulls and nulls
+    /// skipped.
     fn get_unhashed_block_ids_all_groups(&self, py: Python<'_>) -> PyResult<Vec<Vec<u32>>> {
-        Ok(vec![self.unhashed(py)?])
+        self.groups()
+            .into_iter()
+            .map(|g| self.unhashed(py, g))
+            .collect()
     }
 
-    /// One sequence of block snapshots per group, built now from the pool's state.
+    /// One sequence of block views per group, built now.
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let groups = self.groups();
         let Some(manager) = &self.manager else {
-            return PyTuple::new(py, [PyTuple::empty(py)]);
+            return PyTuple::new(py, groups.iter().map(|_| PyTuple::empty(py)));
         };
-        let views = self.ids.iter().map(|&block_id| PyBlockView {
-            manager: manager.clone_ref(py),
-            block_id,
-        });
-        PyTuple::new(py, [PyList::new(py, views)?])
+        let lists = groups
+            .into_iter()
+            .map(|g| PyList::new(py, g.iter().map(|&b| manager.view(py, b))))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists)
     }
 
     /// The blocks of both, group by group.
@@ -270,27 +374,36 @@ impl PyKVCacheBlocks {
             return Err(PyTypeError::new_err("can only add KVCacheBlocks"));
         };
         let other = other.get();
-        Ok(Self {
-            ids: self.ids.iter().chain(&other.ids).copied().collect(),
-            manager: self
-                .manager
-                .as_ref()
-                .or(other.manager.as_ref())
-                .map(|m| m.clone_ref(py)),
-        })
+        let manager = self
+            .manager
+            .as_ref()
+            .or(other.manager.as_ref())
+            .map(|m| m.clone_ref(py));
+        let (ours, theirs) = (self.groups(), other.groups());
+        let joined: Vec<Vec<u32>> = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| a.iter().chain(b.iter()).copied().collect())
+            .collect();
+        if self.ends.is_empty() && other.ends.is_empty() {
+            let ids = joined.into_iter().next().unwrap_or_default();
+            return Ok(Self::single(ids, manager));
+        }
+        Ok(Self::grouped(joined.iter().map(Vec::as_slice), manager))
     }
 
-    /// A result with no blocks (a method, as vLLM's).
-    #[allow(clippy::unused_self)]
+    /// A result with no blocks, with as many groups (a method, as vLLM's).
     fn new_empty(&self) -> Self {
         Self {
             ids: Vec::new(),
+            ends: vec![0; self.ends.len()],
             manager: None,
         }
     }
 
     fn __repr__(&self) -> String {
-        format!("KVCacheBlocks(block_ids=({:?},))", self.ids)
+        let groups: Vec<String> = self.groups().iter().map(|g| format!("{g:?}")).collect();
+        format!("KVCacheBlocks(block_ids=({},))", groups.join(", "))
     }
 }
 
@@ -300,19 +413,16 @@ impl PyKVCacheBlocks {
 /// ``BlockHashWithGroupId`` (the hash, then the group id in 4 big-endian bytes).
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlockView", frozen)]
 pub struct PyBlockView {
-    manager: Py<PyVllmManager>,
+    manager: PoolOwner,
     #[pyo3(get)]
     block_id: u32,
 }
 
 impl PyBlockView {
     fn read<T>(&self, py: Python<'_>, f: impl FnOnce(BlockInfo) -> T) -> PyResult<T> {
-        let manager = self.manager.bind(py).try_borrow()?;
-        let info = manager
-            .as_super()
-            .inner
-            .block_pool()
-            .block(i64::from(self.block_id))
+        let info = self
+            .manager
+            .with_pool(py, |pool| pool.block(i64::from(self.block_id)))?
             .py()?;
         Ok(f(info))
     }
@@ -436,10 +546,7 @@ impl PyVllmManager {
         }
         Py::new(
             py,
-            PyKVCacheBlocks {
-                ids,
-                manager: Some(slf.clone().unbind()),
-            },
+            PyKVCacheBlocks::single(ids, Some(PoolOwner::Single(slf.clone().unbind()))),
         )
     }
 
@@ -458,7 +565,7 @@ impl PyVllmManager {
 }
 
 /// The `block_id`s of a sequence of block objects.
-fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+pub(crate) fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let py = blocks.py();
     to_list(blocks)?
         .iter()
@@ -511,13 +618,7 @@ impl PyVllmManager {
         if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
             events.build_as(module, kv_cache_spec_kind)?;
         }
-        let empty = Py::new(
-            py,
-            PyKVCacheBlocks {
-                ids: Vec::new(),
-                manager: None,
-            },
-        )?;
+        let empty = Py::new(py, PyKVCacheBlocks::single(Vec::new(), None))?;
         Ok(PyClassInitializer::from(base).add_subclass(Self {
             hashes: HashMap::default(),
             admission_statuses,
@@ -659,10 +760,8 @@ impl PyVllmManager {
         let mut this = slf.try_borrow_mut()?;
         let blocks = this.as_super().inner.pop_blocks_for_free(&id);
         this.hashes.remove(&id);
-        let views = blocks.into_iter().map(|block_id| PyBlockView {
-            manager: slf.clone().unbind(),
-            block_id,
-        });
+        let owner = PoolOwner::Single(slf.clone().unbind());
+        let views = blocks.into_iter().map(|b| owner.view(slf.py(), b));
         PyList::new(slf.py(), views)
     }
 
@@ -739,10 +838,7 @@ impl PyVllmManager {
             .block_pool()
             .check_id(block_id)
             .py()?;
-        Ok(PyBlockView {
-            manager: slf.clone().unbind(),
-            block_id,
-        })
+        Ok(PoolOwner::Single(slf.clone().unbind()).view(slf.py(), block_id))
     }
 
     /// The request's whole block table.

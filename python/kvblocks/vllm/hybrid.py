@@ -1,0 +1,348 @@
+"""``HybridKVCacheManager``: vLLM 0.33.0's manager surface for several KV cache groups
+of one block size (full, sliding-window and chunked-local attention, as gpt-oss,
+Gemma 2/3, Cohere2 and Llama 4 have) or one local-attention group, with its state and
+decisions in kvblocks' Rust core.
+
+The hot calls are native methods; this module adds the constructor vLLM calls, the
+per-group members vLLM's coordinator and single-type managers expose, and the stats,
+which accumulate in vLLM's own class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from vllm.distributed import kv_events as vllm_events
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+from kvblocks._native import HybridVllmKVCacheManager, KVCacheBlocks, KVCacheBlockView
+from kvblocks.vllm.config import ManagerArgs
+from kvblocks.vllm.manager import ADMISSION_STATUSES, BlockPool, RequestId, block_ids, spec_kind
+
+__all__ = ["HybridKVCacheManager"]
+
+
+def group_rows(config: ManagerArgs) -> list[tuple[str, int | None, int, int | None, int]]:
+    """The native constructor's ``groups``: per group its kind, window, retained
+    tokens, admission cap (vLLM's spec method, the one source of that rule) and lookup
+    class (the first group with an equal spec: vLLM looks those up jointly)."""
+    in_flight = config.max_in_flight_tokens
+    if in_flight is None:
+        in_flight = config.max_model_len
+    specs = [g.kv_cache_spec for g in config.kv_cache_config.kv_cache_groups]
+    rows: list[tuple[str, int | None, int, int | None, int]] = []
+    for spec in specs:
+        lookup_class = next(
+            i for i, other in enumerate(specs) if type(other) is type(spec) and other == spec
+        )
+        if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+            cap: int | None = spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=in_flight, max_model_len=config.max_model_len
+            )
+        else:
+            cap = None
+        if isinstance(spec, SlidingWindowSpec):
+            rows.append(
+                (
+                    "sliding_window",
+                    spec.sliding_window,
+                    spec.extra_retained_tokens,
+                    cap,
+                    lookup_class,
+                )
+            )
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            rows.append(("chunked_local", spec.attention_chunk_size, 0, cap, lookup_class))
+        else:
+            rows.append(("full", None, 0, None, lookup_class))
+    return rows
+
+
+class GroupTables(Mapping[str, list[KVCacheBlockView]]):
+    """One group's ``req_to_blocks``, read from the manager (never grown by reads)."""
+
+    __slots__ = ("_group_id", "_manager")
+
+    def __init__(self, manager: HybridKVCacheManager, group_id: int) -> None:
+        self._manager = manager
+        self._group_id = group_id
+
+    def __getitem__(self, request_id: str) -> list[KVCacheBlockView]:
+        table = self._manager.group_table(request_id, self._group_id)
+        return [] if table is None else [self._manager.block(b) for b in table]
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._manager.request_ids(self._group_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._manager.request_ids(self._group_id))
+
+    def __len__(self) -> int:
+        return len(self._manager.request_ids(self._group_id))
+
+
+class HybridSingleTypeManager:
+    """What vLLM's Scheduler, engine core and connectors read of one group's manager."""
+
+    __slots__ = (
+        "_manager",
+        "block_pool",
+        "block_size",
+        "dcp_world_size",
+        "kv_cache_group_id",
+        "kv_cache_spec",
+        "req_to_blocks",
+    )
+
+    def __init__(
+        self, manager: HybridKVCacheManager, spec: KVCacheSpec, group_id: int, block_pool: BlockPool
+    ) -> None:
+        self._manager = manager
+        self.kv_cache_spec = spec
+        self.block_size: int = spec.block_size
+        self.kv_cache_group_id = group_id
+        self.block_pool = block_pool
+        self.dcp_world_size = 1
+        self.req_to_blocks = GroupTables(manager, group_id)
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Each request's count of cached leading blocks in this group (a snapshot)."""
+        return dict(self._manager.cached_block_counts(self.kv_cache_group_id))
+
+
+class HybridKVCacheCoordinator:
+    """vLLM's coordinator members that leak out of its manager, for several groups."""
+
+    enable_partial_hash_hits = False
+    num_reprefillable_tokens = 0
+    dcp_world_size = 1
+    pcp_world_size = 1
+
+    __slots__ = (
+        "_manager",
+        "block_pool",
+        "drop_eagle_group_ids",
+        "eagle_group_ids",
+        "full_attention_group_id",
+        "group_block_sizes",
+        "hash_block_size",
+        "kv_cache_config",
+        "retention_interval",
+        "scheduler_block_size",
+        "single_type_managers",
+    )
+
+    def __init__(
+        self, manager: HybridKVCacheManager, kv_cache_config: KVCacheConfig, block_pool: BlockPool
+    ) -> None:
+        self._manager = manager
+        self.kv_cache_config = kv_cache_config
+        groups = kv_cache_config.kv_cache_groups
+        self.block_pool = block_pool
+        self.single_type_managers = tuple(
+            HybridSingleTypeManager(manager, g.kv_cache_spec, i, block_pool)
+            for i, g in enumerate(groups)
+        )
+        self.scheduler_block_size: int = groups[0].kv_cache_spec.block_size
+        self.hash_block_size = self.scheduler_block_size
+        self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
+        self.retention_interval = kv_cache_config.prefix_cache_retention_interval
+        self.full_attention_group_id = next(
+            (i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)),
+            None,
+        )
+        self.eagle_group_ids: set[int] = set()
+        self.drop_eagle_group_ids: set[int] = set()
+
+    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlockView], ...]:
+        """The request's blocks, one sequence per group."""
+        return self._manager.get_blocks(request_id).blocks  # type: ignore[no-any-return]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks within ``num_computed_tokens`` tokens."""
+        self._manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Frees the request's blocks, group by group, tail first."""
+        self._manager.free(RequestId(request_id))
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlockView]:
+        """Forgets the request; returns its blocks, unfreed, group after group."""
+        return self._manager.pop_blocks_for_free(RequestId(request_id))  # type: ignore[no-any-return]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use."""
+        return self._manager.block_pool.reset_prefix_cache()
+
+    def new_step_starts(self) -> None:
+        """Nothing to do without Mamba groups."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Frees the blocks that left each group's window."""
+        self._manager.remove_skipped_blocks(
+            request_id, processed_computed_tokens, num_prompt_tokens
+        )
+
+    def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[Any]],
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks an allocation of ``num_tokens`` slots would take from the pool."""
+        return self._manager.num_blocks_to_allocate(  # type: ignore[no-any-return]
+            request_id,
+            num_tokens,
+            [block_ids(group) for group in new_computed_blocks],
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
+
+class HybridKVCacheManager(HybridVllmKVCacheManager):
+    """vLLM 0.33.0's ``KVCacheManager`` for several KV cache groups of one block size
+    (or one local-attention group), with its state and decisions in Rust. Takes vLLM's
+    constructor arguments (:class:`~kvblocks.vllm.config.ManagerArgs`); build it
+    through :func:`kvblocks.vllm.make_kv_cache_manager`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> HybridKVCacheManager:
+        config = ManagerArgs(*args, **kwargs)
+        reason = config.unsupported_reason()
+        if reason is not None:
+            raise ValueError(f"kvblocks' HybridKVCacheManager does not support {reason}")
+        groups = config.kv_cache_config.kv_cache_groups
+        return super().__new__(  # type: ignore[no-any-return]
+            cls,
+            config.kv_cache_config.num_blocks,
+            config.scheduler_block_size,
+            config.max_model_len,
+            group_rows(config),
+            enable_caching=config.enable_caching,
+            retention_interval=config.kv_cache_config.prefix_cache_retention_interval,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            watermark=config.watermark,
+            admission_statuses=list(ADMISSION_STATUSES),
+            event_structs=vllm_events,
+            event_metadata=[
+                (spec_kind(g.kv_cache_spec), get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                for g in groups
+            ],
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = ManagerArgs(*args, **kwargs)
+        self.kv_cache_config = config.kv_cache_config
+        self.max_model_len = config.max_model_len
+        self.log_stats = config.log_stats
+        #: vLLM's accumulator, replaced by :meth:`make_prefix_cache_stats`.
+        self.prefix_cache_stats = PrefixCacheStats() if config.log_stats else None
+        self.enable_kv_cache_events = config.enable_kv_cache_events
+        self.use_eagle = False
+        self.metrics_collector = None
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        groups = config.kv_cache_config.kv_cache_groups
+        self.kv_cache_event_metadata = tuple(
+            (spec_kind(g.kv_cache_spec), get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in groups
+        )
+        self._vllm_block_pool = BlockPool(
+            self,
+            self.native_pool,
+            enable_caching=config.enable_caching,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            block_size=config.scheduler_block_size,
+        )
+        self.coordinator = HybridKVCacheCoordinator(
+            self, config.kv_cache_config, self._vllm_block_pool
+        )
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """vLLM's ``BlockPool`` members, on the manager's pool."""
+        return self._vllm_block_pool
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group."""
+        return self.get_blocks(request_id).get_block_ids()  # type: ignore[return-value]
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup may run for this request."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks`` plus ``hit_diverged`` (only Mamba layouts diverge)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Records one admission's lookup as vLLM does (not for a skipped lookup)."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats since the last call, or None without ``log_stats``."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use; the stats then say so."""
+        if not super().reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM (no cascade attention): ``[0]`` per group."""
+        return [0] * self.num_kv_cache_groups
+
+    def new_step_starts(self) -> None:
+        """Nothing to do without Mamba groups."""
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba only: ``{}``."""
+        return {}
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlockView]]:
+        """No copy-on-write with equal block sizes: ``([], [])``."""
+        return [], []
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Mamba only: ``[]``."""
+        return []
+
+    def take_new_block_ids(self) -> list[int]:
+        """No zeroing without Mamba groups: ``[]``."""
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No zeroing without Mamba groups."""

@@ -1,0 +1,934 @@
+//! vLLM 0.33.0's `KVCacheManager` over several KV cache groups of equal block size
+//! (full, sliding-window and chunked-local attention), or one local-attention group:
+//! its coordinators (`KVCacheCoordinatorNoPrefixCache`, `UnitaryKVCacheCoordinator`,
+//! `HybridKVCacheCoordinator`) and single-type managers, for vLLM's scheduler.
+//!
+//! One pool serves every group. A request has one table per group; a local-attention
+//! table holds the null block where blocks left the window. Unlike the library's
+//! [`KVCacheManager`](crate::manager::KVCacheManager), this manager follows vLLM's
+//! order of effects, not validate-then-mutate: `allocate_slots` frees out-of-window
+//! blocks before it may return `None`, as vLLM's does, and an assertion vLLM makes
+//! midway leaves what vLLM would have changed by then.
+//!
+//! Invariants (checked by [`HybridManager::check_invariants`]):
+//! * the pool's own invariants hold;
+//! * each non-null table entry is one reference: a block's ref count is at least the
+//!   number of table entries naming it;
+//! * a full-attention table holds no null block.
+
+mod attention;
+
+use rustc_hash::FxHashMap;
+
+pub use attention::Attention;
+use attention::{cdiv, floor_div, index, signed};
+
+use crate::block_hash::BlockHash;
+use crate::error::{positive, Error, Result};
+use crate::events::{EventConfig, EventLog};
+use crate::index::ix;
+use crate::manager::watermark_blocks;
+use crate::pool::{BlockPool, NULL_BLOCK_ID};
+use crate::request::{HashSource, RequestView};
+
+/// One KV cache group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// Its attention type.
+    pub attention: Attention,
+    /// The per-request block cap of the admission gate (vLLM's
+    /// `max_admission_blocks_per_request`; local attention only).
+    pub admission_cap: Option<i64>,
+    /// Groups with the same class have equal vLLM specs and are looked up jointly.
+    pub lookup_class: u32,
+}
+
+/// What builds a [`HybridManager`] (vLLM's `KVCacheConfig` and manager arguments).
+#[derive(Debug, Clone)]
+pub struct HybridConfig {
+    /// Blocks in the pool, the null block included.
+    pub num_blocks: i64,
+    /// Tokens per block, in every group.
+    pub block_size: i64,
+    /// The groups, in vLLM's group order.
+    pub groups: Vec<GroupSpec>,
+    /// Whether the prefix cache is on.
+    pub enable_caching: bool,
+    /// Token counts are capped at it.
+    pub max_model_len: i64,
+    /// vLLM's `prefix_cache_retention_interval` (`None`: dense).
+    pub retention_interval: Option<i64>,
+}
+
+/// What the manager reads of a vLLM `Request` beyond a [`RequestView`].
+#[derive(Debug, Clone, Copy)]
+pub struct HybridRequest<'a, H: ?Sized> {
+    /// The request id, token counts and hashes.
+    pub view: RequestView<'a, H>,
+    /// `request.num_prompt_tokens` (its replay boundary is the last prompt token).
+    pub num_prompt_tokens: i64,
+    /// `request.num_in_flight_tokens` (not yet processed, so not freed).
+    pub num_in_flight_tokens: i64,
+    /// `request.shared_prefix_boundary`, fed back from a lookup (0: none).
+    pub shared_prefix_boundary: i64,
+}
+
+/// The arguments of `allocate_slots`, vLLM's defaults being `Default::default()`.
+// One field per keyword argument of vLLM's `allocate_slots`, flags included.
+#[allow(clippy::struct_excessive_bools)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HybridSlots<'a> {
+    /// Tokens to compute in this step.
+    pub num_new_tokens: i64,
+    /// Tokens newly found in the local prefix cache.
+    pub num_new_computed_tokens: i64,
+    /// The lookup's blocks, one list per group; `None` for vLLM's shared empty result.
+    pub new_computed_blocks: Option<&'a [Vec<u32>]>,
+    /// Extra slots for speculative tokens.
+    pub num_lookahead_tokens: i64,
+    /// Tokens a KV connector will load.
+    pub num_external_computed_tokens: i64,
+    /// Skip caching (an asynchronous KV load is pending).
+    pub delay_cache_blocks: bool,
+    /// vLLM's admission gate.
+    pub full_sequence_must_fit: bool,
+    /// Free blocks to leave to other in-flight sequences.
+    pub reserved_blocks: i64,
+    /// Whether the watermark applies (an admission while others are scheduled).
+    pub watermarked: bool,
+}
+
+/// A prefix-cache lookup: the blocks per group, the hit in tokens, and vLLM's
+/// `shared_prefix_boundary` (the longest single-group hit when the groups disagree).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheHit {
+    /// One list per group (null blocks where a window leaves blocks out).
+    pub blocks: Vec<Vec<u32>>,
+    /// The reconciled hit in tokens.
+    pub hit_tokens: i64,
+    /// 0, or the junction a sparse-retention group has not cached yet.
+    pub shared_prefix_boundary: i64,
+}
+
+/// Which vLLM coordinator the configuration gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coordinator {
+    NoPrefixCache,
+    Unitary,
+    Hybrid,
+}
+
+/// One group's state of a request (vLLM's `req_to_blocks` and `num_cached_block`
+/// entries of that group's manager).
+#[derive(Debug, Clone, Default)]
+struct GroupTable {
+    /// `Some` once vLLM's defaultdict has an entry (it may be empty).
+    blocks: Option<Vec<u32>>,
+    num_cached: Option<usize>,
+}
+
+impl GroupTable {
+    fn len(&self) -> usize {
+        self.blocks.as_ref().map_or(0, Vec::len)
+    }
+
+    fn blocks(&self) -> &[u32] {
+        self.blocks.as_deref().unwrap_or_default()
+    }
+
+    /// The table, created empty if absent (vLLM's `req_to_blocks[id]`).
+    fn entry(&mut self) -> &mut Vec<u32> {
+        self.blocks.get_or_insert_with(Vec::new)
+    }
+}
+
+/// vLLM 0.33.0's `KVCacheManager` with a coordinator over several groups.
+#[derive(Debug, Clone)]
+pub struct HybridManager {
+    pool: BlockPool,
+    block_size: i64,
+    groups: Vec<GroupSpec>,
+    /// Spec groups for the hybrid lookup: full attention first, then by first member.
+    lookup_groups: Vec<(Attention, Vec<u32>)>,
+    coordinator: Coordinator,
+    max_model_len: i64,
+    retention_interval: Option<i64>,
+    watermark_blocks: usize,
+    requests: FxHashMap<String, Vec<GroupTable>>,
+}
+
+impl HybridManager {
+    /// A manager over a fresh pool.
+    ///
+    /// # Errors
+    /// [`Error::NonPositive`] for `num_blocks`, `block_size` or a window;
+    /// [`Error::InvalidArgument`] without groups.
+    pub fn new(config: HybridConfig) -> Result<Self> {
+        positive("num_blocks", config.num_blocks)?;
+        positive("block_size", config.block_size)?;
+        if config.groups.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a hybrid manager needs at least one KV cache group".to_owned(),
+            ));
+        }
+        for group in &config.groups {
+            match group.attention {
+                Attention::Full => {}
+                Attention::SlidingWindow { window, .. } => {
+                    positive("sliding_window", window)?;
+                }
+                Attention::ChunkedLocal { chunk } => {
+                    positive("attention_chunk_size", chunk)?;
+                }
+            }
+        }
+        let mut lookup_groups: Vec<(Attention, u32, Vec<u32>)> = Vec::new();
+        for (gid, group) in (0u32..).zip(&config.groups) {
+            match lookup_groups
+                .iter_mut()
+                .find(|(_, class, _)| *class == group.lookup_class)
+            {
+                Some((_, _, members)) => members.push(gid),
+                None => lookup_groups.push((group.attention, group.lookup_class, vec![gid])),
+            }
+        }
+        // A stable sort: full attention first, the rest in first-member order.
+        lookup_groups.sort_by_key(|(attention, _, _)| !attention.is_full());
+        let coordinator = if !config.enable_caching {
+            Coordinator::NoPrefixCache
+        } else if config.groups.len() == 1 {
+            Coordinator::Unitary
+        } else {
+            Coordinator::Hybrid
+        };
+        Ok(Self {
+            pool: BlockPool::new(config.num_blocks, config.enable_caching)?,
+            block_size: config.block_size,
+            groups: config.groups,
+            lookup_groups: lookup_groups
+                .into_iter()
+                .map(|(attention, _, members)| (attention, members))
+                .collect(),
+            coordinator,
+            max_model_len: config.max_model_len,
+            retention_interval: config.retention_interval,
+            watermark_blocks: 0,
+            requests: FxHashMap::default(),
+        })
+    }
+
+    /// Keeps `int(watermark * num_blocks)` blocks free for admissions (vLLM's).
+    ///
+    /// # Errors
+    /// As [`crate::manager::KVCacheManager::set_watermark`] under vLLM's tolerance.
+    pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
+        self.watermark_blocks = watermark_blocks(watermark, self.pool.num_blocks())?;
+        Ok(())
+    }
+
+    /// Blocks admissions leave free while other requests are scheduled.
+    pub fn watermark_blocks(&self) -> usize {
+        self.watermark_blocks
+    }
+
+    /// Starts recording KV cache events (vLLM's: a `BlockRemoved` per key).
+    pub fn enable_kv_cache_events(&mut self) {
+        self.pool.enable_events(EventConfig {
+            block_size: index(self.block_size),
+            last_copy_removal: false,
+        });
+    }
+
+    /// The events recorded since the last [`Self::clear_events`].
+    pub fn events(&self) -> &EventLog {
+        self.pool.events()
+    }
+
+    /// Drops the recorded events.
+    pub fn clear_events(&mut self) {
+        self.pool.clear_events();
+    }
+
+    /// The block pool.
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The block pool, mutably (for vLLM's `block_pool` surface).
+    pub fn block_pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> i64 {
+        self.block_size
+    }
+
+    /// The groups, in vLLM's order.
+    pub fn groups(&self) -> &[GroupSpec] {
+        &self.groups
+    }
+
+    /// Whether the prefix cache is on.
+    pub fn enable_caching(&self) -> bool {
+        self.pool.enable_caching()
+    }
+
+    /// The pool's usage.
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// vLLM's `find_longest_cache_hit` of the configuration's coordinator, bounded by
+    /// `max_cache_hit_length` (`None`: `num_tokens - 1`). Touches nothing.
+    ///
+    /// # Errors
+    /// Those of [`Attention::find_longest_cache_hit`].
+    pub fn get_computed_blocks<H: HashSource + ?Sized>(
+        &self,
+        request: &RequestView<'_, H>,
+        max_cache_hit_length: Option<i64>,
+    ) -> Result<CacheHit> {
+        let max_length = max_cache_hit_length.unwrap_or(request.num_tokens - 1);
+        let hashes = request.block_hashes;
+        let (blocks, hit_tokens, uncached) = match self.coordinator {
+            Coordinator::NoPrefixCache => (vec![Vec::new(); self.groups.len()], 0, 0),
+            Coordinator::Unitary => {
+                let (blocks, hit) = self.groups[0].attention.find_longest_cache_hit(
+                    &self.pool,
+                    hashes,
+                    max_length,
+                    &[0],
+                    self.block_size,
+                )?;
+                (blocks, hit, 0)
+            }
+            Coordinator::Hybrid => self.fixed_point_hit(hashes, max_length)?,
+        };
+        Ok(CacheHit {
+            blocks,
+            hit_tokens,
+            shared_prefix_boundary: if uncached == 0 {
+                0
+            } else {
+                hit_tokens + uncached
+            },
+        })
+    }
+
+    /// The hybrid coordinator's fixed point: each spec group in turn accepts the
+    /// candidate length or lowers it, until a pass changes nothing. Full attention is
+    /// looked up once (its hits are downward-closed) and truncated at the end.
+    fn fixed_point_hit<H: HashSource + ?Sized>(
+        &self,
+        hashes: &H,
+        max_length: i64,
+    ) -> Result<(Vec<Vec<u32>>, i64, i64)> {
+        let mut hit_length = max_length;
+        let mut longest = 0i64;
+        let mut blocks: Vec<Option<Vec<u32>>> = vec![None; self.groups.len()];
+        let mut lengths = vec![0i64; self.groups.len()];
+        let simple = self.lookup_groups.len() == 2 && self.lookup_groups[0].0.is_full();
+        loop {
+            let mut current = hit_length;
+            for (attention, members) in &self.lookup_groups {
+                let first = ix(members[0]);
+                if attention.is_full() && blocks[first].is_some() {
+                    current = current.min(lengths[first]);
+                    continue;
+                }
+                let (hits, new_length) = attention.find_longest_cache_hit(
+                    &self.pool,
+                    hashes,
+                    current,
+                    members,
+                    self.block_size,
+                )?;
+                current = new_length;
+                for (&gid, group_hits) in members.iter().zip(hits) {
+                    blocks[ix(gid)] = Some(group_hits);
+                    lengths[ix(gid)] = new_length;
+                }
+                longest = longest.max(current);
+            }
+            if current >= hit_length {
+                break;
+            }
+            hit_length = current;
+            if simple {
+                break;
+            }
+        }
+        let keep = index(cdiv(hit_length, self.block_size));
+        for (attention, members) in &self.lookup_groups {
+            if attention.is_full() {
+                for &gid in members {
+                    if let Some(hits) = &mut blocks[ix(gid)] {
+                        hits.truncate(keep);
+                    }
+                }
+            }
+        }
+        let blocks = blocks.into_iter().map(Option::unwrap_or_default).collect();
+        Ok((blocks, hit_length, longest - hit_length))
+    }
+
+    /// vLLM's `allocate_slots`: frees what left the windows, checks capacity, adopts
+    /// the lookup's blocks, allocates, and caches unless `delay_cache_blocks`.
+    /// Returns the new blocks per group, or `None` when they do not fit (after the
+    /// out-of-window frees, as vLLM).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when there is nothing to place (vLLM's
+    /// `ValueError`); [`Error::Assertion`] where vLLM asserts; pool and hash-source
+    /// errors.
+    pub fn allocate_slots<H: HashSource + ?Sized>(
+        &mut self,
+        request: &HybridRequest<'_, H>,
+        args: &HybridSlots<'_>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        let view = &request.view;
+        if args.num_new_tokens == 0
+            && args.num_external_computed_tokens == 0
+            && args.num_new_computed_tokens == 0
+        {
+            return Err(Error::InvalidArgument(
+                "num_new_tokens must be greater than 0 when there are no computed tokens \
+                 to adopt"
+                    .to_owned(),
+            ));
+        }
+        let no_hits = vec![Vec::new(); self.groups.len()];
+        let hits = args.new_computed_blocks.unwrap_or(&no_hits);
+        if hits.len() != self.groups.len() {
+            return Err(Error::InvalidArgument(format!(
+                "new_computed_blocks has {} groups, not {}",
+                hits.len(),
+                self.groups.len()
+            )));
+        }
+        let local = view.num_computed_tokens + args.num_new_computed_tokens;
+        let adopted = local + args.num_external_computed_tokens;
+        let total_computed = adopted.min(self.max_model_len);
+        let watermark = if args.watermarked {
+            signed(self.watermark_blocks)
+        } else {
+            0
+        };
+        let id = view.request_id;
+        if args.full_sequence_must_fit {
+            let full = view.num_tokens.min(self.max_model_len);
+            let need = self.num_blocks_to_allocate(id, full, hits, total_computed, true)?;
+            if need + watermark > signed(self.pool.num_free_blocks()) {
+                return Ok(None);
+            }
+        }
+        let main_tokens = total_computed + args.num_new_tokens;
+        let slot_tokens = (main_tokens + args.num_lookahead_tokens).min(self.max_model_len);
+        self.remove_skipped_blocks(id, (total_computed - request.num_in_flight_tokens).max(0));
+        let need = self.num_blocks_to_allocate(id, slot_tokens, hits, adopted, false)?;
+        let available =
+            i128::from(signed(self.pool.num_free_blocks())) - i128::from(args.reserved_blocks);
+        if i128::from(need + watermark) > available {
+            return Ok(None);
+        }
+        if args.new_computed_blocks.is_some() || args.num_external_computed_tokens > 0 {
+            self.allocate_new_computed_blocks(id, hits, local, args.num_external_computed_tokens)?;
+        }
+        let required = cdiv(slot_tokens, self.block_size);
+        let tables = tables_of(&mut self.requests, id, self.groups.len());
+        let mut new_blocks = Vec::with_capacity(tables.len());
+        for table in tables.iter_mut() {
+            let table = table.entry();
+            let n = required - signed(table.len());
+            let first = table.len();
+            if n > 0 {
+                self.pool.get_new_blocks_into(index(n), table)?;
+            }
+            new_blocks.push(table[first..].to_vec());
+        }
+        if !args.delay_cache_blocks {
+            self.cache_blocks(
+                request,
+                (total_computed + args.num_new_tokens).min(view.num_tokens),
+            )?;
+        }
+        Ok(Some(new_blocks))
+    }
+
+    /// vLLM's `coordinator.get_num_blocks_to_allocate`: the blocks giving the request
+    /// `num_tokens` slots takes from the pool, summed over groups (with
+    /// `apply_admission_cap`, local groups count at most their cap).
+    ///
+    /// # Errors
+    /// [`Error::Assertion`] for hits given to a running request, as vLLM asserts.
+    pub fn num_blocks_to_allocate(
+        &self,
+        request_id: &str,
+        num_tokens: i64,
+        hits: &[Vec<u32>],
+        total_computed_tokens: i64,
+        apply_admission_cap: bool,
+    ) -> Result<i64> {
+        let tables = self.requests.get(request_id);
+        let mut total = 0i64;
+        for (gid, group) in self.groups.iter().enumerate() {
+            let group_hits = hits.get(gid).map_or(&[][..], Vec::as_slice);
+            let table = tables.and_then(|t| t.get(gid));
+            let mut required = cdiv(num_tokens, self.block_size);
+            if let (true, Some(cap)) = (apply_admission_cap, group.admission_cap) {
+                required = required.min(cap);
+            }
+            let held = signed(table.map_or(0, GroupTable::len));
+            if table.is_some_and(|t| t.num_cached.is_some()) {
+                if !group_hits.is_empty() {
+                    return Err(Error::Assertion(format!(
+                        "request {request_id} is running, so it has no new prefix-cache hits"
+                    )));
+                }
+                total += (required - held).max(0);
+                continue;
+            }
+            let skipped = floor_div(
+                group.attention.skipped_tokens(total_computed_tokens),
+                self.block_size,
+            );
+            let new = (required - skipped.max(signed(group_hits.len()) + held)).max(0);
+            let first_kept = index((skipped - held).max(0));
+            let evictable = group_hits
+                .iter()
+                .skip(first_kept)
+                .filter(|&&b| b != NULL_BLOCK_ID && self.pool.ref_cnt_of(b) == 0)
+                .count();
+            total += new + signed(evictable);
+        }
+        Ok(total)
+    }
+
+    /// vLLM's `allocate_new_computed_blocks`: a request not yet running adopts its
+    /// hits in every group (touching them all first), then gets blocks for its
+    /// external tokens in every group.
+    fn allocate_new_computed_blocks(
+        &mut self,
+        request_id: &str,
+        hits: &[Vec<u32>],
+        local: i64,
+        external: i64,
+    ) -> Result<()> {
+        let running = self
+            .requests
+            .get(request_id)
+            .is_some_and(|t| t.iter().any(|g| g.num_cached.is_some()));
+        if running {
+            if hits.iter().any(|h| !h.is_empty()) {
+                return Err(Error::Assertion(format!(
+                    "request {request_id} is running, so it has no new prefix-cache hits"
+                )));
+            }
+            return Ok(());
+        }
+        let caching = self.pool.enable_caching();
+        let block_size = self.block_size;
+        let tables = tables_of(&mut self.requests, request_id, self.groups.len());
+        for (gid, (group, table)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
+            if table.len() != 0 {
+                return Err(Error::Assertion(format!(
+                    "request {request_id} already holds blocks in group {gid}"
+                )));
+            }
+            let skipped = floor_div(group.attention.skipped_tokens(local + external), block_size);
+            let kept = hits[gid]
+                .get(index(skipped).min(hits[gid].len())..)
+                .unwrap_or_default();
+            if caching {
+                self.pool.touch_ids(kept.iter().copied(), kept.len())?;
+            } else if !kept.is_empty() {
+                // vLLM tests the blocks' truthiness: the null block counts too.
+                return Err(Error::Assertion(
+                    "Computed blocks should be empty when prefix caching is disabled".to_owned(),
+                ));
+            }
+            let blocks = table.entry();
+            blocks.resize(index(skipped), NULL_BLOCK_ID);
+            blocks.extend_from_slice(kept);
+            table.num_cached = Some(table.len());
+        }
+        if external > 0 {
+            let total = local + external;
+            for (group, table) in self.groups.iter().zip(tables.iter_mut()) {
+                let skipped = group.attention.skipped_tokens(total);
+                let group_external = if skipped > 0 {
+                    (total - skipped).min(external)
+                } else {
+                    external
+                };
+                if group_external <= 0 {
+                    continue;
+                }
+                let blocks = table.entry();
+                let n = (cdiv(total, block_size) - signed(blocks.len())).max(0);
+                self.pool.get_new_blocks_into(index(n), blocks)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `coordinator.remove_skipped_blocks`: in each group, the blocks no later
+    /// token attends to once `processed_tokens` are processed go back to the pool,
+    /// highest index first, and become null blocks in the table.
+    pub fn remove_skipped_blocks(&mut self, request_id: &str, processed_tokens: i64) {
+        let block_size = self.block_size;
+        let num_groups = self.groups.len();
+        for (gid, group) in self.groups.iter().enumerate() {
+            let skipped = group.attention.skipped_tokens(processed_tokens);
+            if skipped <= 0 {
+                continue;
+            }
+            let table = tables_of(&mut self.requests, request_id, num_groups)[gid].entry();
+            let last = index(floor_div(skipped, block_size)).min(table.len());
+            let mut freed = Vec::new();
+            for i in (0..last).rev() {
+                if table[i] == NULL_BLOCK_ID {
+                    break;
+                }
+                freed.push(table[i]);
+                table[i] = NULL_BLOCK_ID;
+            }
+            if !freed.is_empty() {
+                // Table entries are references, so this cannot fail.
+                let _ = self.pool.free_ids(freed.into_iter());
+            }
+        }
+    }
+
+    /// vLLM's `coordinator.cache_blocks`: each group hashes its full blocks within
+    /// `num_computed_tokens` (rounded down to whole blocks), local groups only those
+    /// a later hit can reach under the retention interval. A no-op with caching off.
+    ///
+    /// # Errors
+    /// [`Error::Index`] where vLLM indexes past a table (events on); the hash and
+    /// token sources' errors; [`Error::AlreadyHashed`] for a block hashed behind the
+    /// manager's back.
+    pub fn cache_blocks<H: HashSource + ?Sized>(
+        &mut self,
+        request: &HybridRequest<'_, H>,
+        num_computed_tokens: i64,
+    ) -> Result<()> {
+        if !self.pool.enable_caching() {
+            return Ok(());
+        }
+        let view = &request.view;
+        let tokens = match self.coordinator {
+            Coordinator::Hybrid => {
+                floor_div(num_computed_tokens, self.block_size) * self.block_size
+            }
+            _ => num_computed_tokens.max(0),
+        };
+        let mut boundaries = vec![request.num_prompt_tokens - 1];
+        if request.shared_prefix_boundary != 0 {
+            boundaries.push(request.shared_prefix_boundary);
+        }
+        let num_hashed = signed(view.block_hashes.num_hashes()) * self.block_size;
+        for gid in 0..self.groups.len() {
+            let group = self.groups[gid];
+            let state = self.requests.get(view.request_id).and_then(|t| t.get(gid));
+            let num_cached = state.and_then(|t| t.num_cached).unwrap_or(0);
+            let full = index(floor_div(tokens.min(num_hashed), self.block_size));
+            if num_cached >= full {
+                continue;
+            }
+            let mask = group.attention.reachable_mask(
+                num_cached,
+                full,
+                self.block_size,
+                self.block_size,
+                self.retention_interval,
+                &boundaries,
+            );
+            let table = state.map_or(&[][..], GroupTable::blocks);
+            if mask.is_some() && table.len() < full {
+                return Err(Error::Assertion(format!(
+                    "request {}: {full} full blocks but a table of {}",
+                    view.request_id,
+                    table.len()
+                )));
+            }
+            let mut ids = Vec::new();
+            let mut hashes = Vec::new();
+            for i in num_cached..full {
+                let Some(&block) = table.get(i) else {
+                    // vLLM slices the table, so a count past it caches what is there;
+                    // its event then indexes past the table.
+                    if self.pool.events().is_enabled() {
+                        self.pool.cache_ids(&ids, &hashes, gid_u32(gid))?;
+                        return Err(Error::Index("list index out of range".to_owned()));
+                    }
+                    break;
+                };
+                if block == NULL_BLOCK_ID || mask.as_ref().is_some_and(|m| !m[i - num_cached]) {
+                    continue;
+                }
+                ids.push(block);
+                hashes.push(view.block_hashes.hash(i)?);
+            }
+            let event = if self.pool.events().is_enabled() {
+                let parent = match num_cached.checked_sub(1) {
+                    Some(i) => Some(view.block_hashes.hash(i)?),
+                    None => None,
+                };
+                Some((parent, self.token_ids(view, num_cached, full)?))
+            } else {
+                None
+            };
+            self.pool.cache_ids(&ids, &hashes, gid_u32(gid))?;
+            if let Some((parent, tokens)) = event {
+                self.pool.events_mut().record_stored(
+                    &hashes,
+                    parent,
+                    &tokens,
+                    num_cached,
+                    gid_u32(gid),
+                );
+            }
+            let table = &mut tables_of(&mut self.requests, view.request_id, self.groups.len())[gid];
+            table.entry();
+            table.num_cached = Some(full);
+        }
+        Ok(())
+    }
+
+    /// The token ids of blocks `first .. end` of the request, for a `BlockStored`.
+    fn token_ids<H: HashSource + ?Sized>(
+        &self,
+        view: &RequestView<'_, H>,
+        first: usize,
+        end: usize,
+    ) -> Result<Vec<i64>> {
+        let Some(source) = view.block_hashes.token_source() else {
+            return Err(Error::InvalidArgument(format!(
+                "KV cache events need the token ids of request {}",
+                view.request_id
+            )));
+        };
+        let bs = index(self.block_size);
+        let mut tokens = Vec::with_capacity((end - first).saturating_mul(bs));
+        source.token_ids(first * bs..end * bs, bs, &mut tokens)?;
+        Ok(tokens)
+    }
+
+    /// vLLM's `emit_cached_block_events` for a lookup reported in "full" mode: one
+    /// `BlockStored` per group with a hit, covering as many blocks as the group's hit
+    /// list holds (its nulls included), parent `None`.
+    ///
+    /// # Errors
+    /// [`Error::TooFewHashes`] when the request has fewer hashes; the sources' errors.
+    pub fn record_cached_block_events<H: HashSource + ?Sized>(
+        &mut self,
+        request: &RequestView<'_, H>,
+        hits: &[Vec<u32>],
+    ) -> Result<()> {
+        if !self.pool.events().is_enabled() {
+            return Ok(());
+        }
+        for (gid, group_hits) in hits.iter().enumerate() {
+            let n = group_hits.len();
+            if n == 0 {
+                continue;
+            }
+            let mut hashes = Vec::with_capacity(n);
+            request.block_hashes.hashes(0..n, &mut hashes)?;
+            if hashes.len() != n {
+                return Err(Error::TooFewHashes {
+                    needed: n,
+                    got: hashes.len(),
+                });
+            }
+            let tokens = self.token_ids(request, 0, n)?;
+            self.pool
+                .events_mut()
+                .record_stored(&hashes, None, &tokens, 0, gid_u32(gid));
+        }
+        Ok(())
+    }
+
+    /// vLLM's `coordinator.free`: each group in order frees its table, tail first,
+    /// leading nulls dropped. Unknown requests are a no-op.
+    ///
+    /// # Errors
+    /// [`Error::DoubleFree`] if blocks were freed behind the manager's back.
+    pub fn free(&mut self, request_id: &str) -> Result<()> {
+        let Some(tables) = self.requests.remove(request_id) else {
+            return Ok(());
+        };
+        for table in &tables {
+            self.pool
+                .free_ids(trim_null_head(table.blocks()).iter().rev().copied())?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `coordinator.pop_blocks_for_free`: forgets the request and returns its
+    /// tables concatenated in group order, each without its leading nulls.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
+        let Some(tables) = self.requests.remove(request_id) else {
+            return Vec::new();
+        };
+        tables
+            .iter()
+            .flat_map(|t| trim_null_head(t.blocks()).iter().copied())
+            .collect()
+    }
+
+    /// The request's table in each group (empty for an unknown request).
+    pub fn get_block_ids(&self, request_id: &str) -> Vec<&[u32]> {
+        match self.requests.get(request_id) {
+            Some(tables) => tables.iter().map(GroupTable::blocks).collect(),
+            None => vec![&[][..]; self.groups.len()],
+        }
+    }
+
+    /// vLLM's `get_block_ids_for_computed_tokens`: each table's first
+    /// `cdiv(num_computed_tokens, block_size)` blocks (a negative end counting from
+    /// the table's end, as Python slices).
+    pub fn block_ids_for_computed_tokens(
+        &self,
+        request_id: &str,
+        num_computed_tokens: i64,
+    ) -> Vec<&[u32]> {
+        let end = cdiv(num_computed_tokens, self.block_size);
+        self.get_block_ids(request_id)
+            .into_iter()
+            .map(|table| {
+                let len = signed(table.len());
+                let end = if end < 0 {
+                    (len + end).max(0)
+                } else {
+                    end.min(len)
+                };
+                &table[..index(end)]
+            })
+            .collect()
+    }
+
+    /// vLLM's `estimate_cached_tokens`: per group, the end of the last hashed block of
+    /// the request's table; the smallest over groups.
+    pub fn estimate_cached_tokens(&self, request_id: &str) -> i64 {
+        self.get_block_ids(request_id)
+            .iter()
+            .map(|table| {
+                table
+                    .iter()
+                    .rposition(|&b| b != NULL_BLOCK_ID && self.pool.block_is_cached(b))
+                    .map_or(0, |i| signed(i + 1) * self.block_size)
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The requests with a table in group `gid` (vLLM's `req_to_blocks` keys).
+    pub fn request_ids(&self, gid: usize) -> impl Iterator<Item = &str> + '_ {
+        self.requests
+            .iter()
+            .filter(move |(_, t)| t.get(gid).is_some_and(|g| g.blocks.is_some()))
+            .map(|(id, _)| id.as_str())
+    }
+
+    /// The request's table in group `gid`, if it has one.
+    pub fn group_table(&self, request_id: &str, gid: usize) -> Option<&[u32]> {
+        self.requests
+            .get(request_id)
+            .and_then(|t| t.get(gid))
+            .and_then(|g| g.blocks.as_deref())
+    }
+
+    /// Each request's cached-block count in group `gid` (vLLM's `num_cached_block`).
+    pub fn cached_block_counts(&self, gid: usize) -> impl Iterator<Item = (&str, usize)> + '_ {
+        self.requests
+            .iter()
+            .filter_map(move |(id, t)| t.get(gid)?.num_cached.map(|n| (id.as_str(), n)))
+    }
+
+    /// [`crate::manager::KVCacheManager::evict_blocks`] under vLLM's tolerance.
+    ///
+    /// # Errors
+    /// As that method.
+    pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
+        crate::manager::evict_as_vllm(&mut self.pool, block_ids)
+    }
+
+    /// Empties the prefix cache if no block is in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Checks the pool's invariants and the tables against it.
+    ///
+    /// # Errors
+    /// [`Error::Invariant`] naming the first broken rule.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.pool.check_invariants()?;
+        let mut holders = vec![0u32; ix(self.pool.num_blocks())];
+        for (id, tables) in &self.requests {
+            for (gid, table) in tables.iter().enumerate() {
+                for &block in table.blocks() {
+                    if block == NULL_BLOCK_ID {
+                        if self.groups[gid].attention.is_full() {
+                            return Err(Error::Invariant(format!(
+                                "request {id} holds the null block in full-attention group {gid}"
+                            )));
+                        }
+                        continue;
+                    }
+                    let Some(count) = holders.get_mut(ix(block)) else {
+                        return Err(Error::Invariant(format!(
+                            "request {id} holds unknown block {block}"
+                        )));
+                    };
+                    *count += 1;
+                }
+            }
+        }
+        for (block, &count) in (0u32..).zip(&holders) {
+            if self.pool.ref_cnt_of(block) < count {
+                return Err(Error::Invariant(format!(
+                    "block {block} is in {count} block tables but has ref count {}",
+                    self.pool.ref_cnt_of(block)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The request's per-group state, created empty if unknown (vLLM's managers create
+/// their entries on first use).
+fn tables_of<'a>(
+    requests: &'a mut FxHashMap<String, Vec<GroupTable>>,
+    request_id: &str,
+    num_groups: usize,
+) -> &'a mut Vec<GroupTable> {
+    // Look up before inserting, so a running request's step allocates no key string.
+    if !requests.contains_key(request_id) {
+        requests.insert(
+            request_id.to_owned(),
+            vec![GroupTable::default(); num_groups],
+        );
+    }
+    requests
+        .get_mut(request_id)
+        .unwrap_or_else(|| unreachable!("inserted above"))
+}
+
+/// A group index as vLLM's group id.
+fn gid_u32(gid: usize) -> u32 {
+    u32::try_from(gid).unwrap_or(u32::MAX)
+}
+
+/// The table without its leading null blocks (vLLM's `trim_null_head`).
+fn trim_null_head(table: &[u32]) -> &[u32] {
+    let first = table
+        .iter()
+        .position(|&b| b != NULL_BLOCK_ID)
+        .unwrap_or(table.len());
+    &table[first..]
+}

@@ -1,0 +1,231 @@
+//! The hybrid coordinator against vLLM 0.33.0's own run of the same workload: a
+//! full-attention group and a sliding-window group (window 8), blocks of 4 tokens,
+//! 24 blocks, vLLM's default retention interval 0. The expected tables, hits and
+//! boundaries are those vLLM's `HybridKVCacheCoordinator` produced for it.
+
+use kvblocks_core::hybrid::{
+    Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots,
+};
+use kvblocks_core::request::RequestView;
+use kvblocks_core::BlockHash;
+
+const BS: i64 = 4;
+const SWA: Attention = Attention::SlidingWindow {
+    window: 8,
+    extra_retained: 0,
+};
+
+fn manager(retention: Option<i64>) -> HybridManager {
+    HybridManager::new(HybridConfig {
+        num_blocks: 24,
+        block_size: BS,
+        groups: vec![
+            GroupSpec {
+                attention: Attention::Full,
+                admission_cap: None,
+                lookup_class: 0,
+            },
+            GroupSpec {
+                attention: SWA,
+                admission_cap: Some(5),
+                lookup_class: 1,
+            },
+        ],
+        enable_caching: true,
+        max_model_len: 256,
+        retention_interval: retention,
+    })
+    .unwrap()
+}
+
+/// Chained block hashes of `tokens`: block `i`'s hash covers tokens `0 .. (i+1)*BS`.
+fn hashes(tokens: &[i64]) -> Vec<BlockHash> {
+    let mut out = Vec::new();
+    let mut state = 0u64;
+    for block in tokens.chunks_exact(4) {
+        for &t in block {
+            state = state
+                .wrapping_mul(1_000_003)
+                .wrapping_add(t.unsigned_abs() + 1);
+        }
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&state.to_be_bytes());
+        out.push(BlockHash::new(&bytes).unwrap());
+    }
+    out
+}
+
+struct Req {
+    id: &'static str,
+    tokens: Vec<i64>,
+    prompt: i64,
+    computed: i64,
+    boundary: i64,
+}
+
+impl Req {
+    fn new(id: &'static str, tokens: Vec<i64>) -> Self {
+        let prompt = i64::try_from(tokens.len()).unwrap();
+        Self {
+            id,
+            tokens,
+            prompt,
+            computed: 0,
+            boundary: 0,
+        }
+    }
+
+    /// Schedules `n` tokens (a prefill chunk) and returns the new blocks per group.
+    fn step(
+        &mut self,
+        mgr: &mut HybridManager,
+        n: i64,
+        hits: Option<&[Vec<u32>]>,
+        hit: i64,
+    ) -> Vec<Vec<u32>> {
+        let h = hashes(&self.tokens);
+        let request = HybridRequest {
+            view: RequestView {
+                request_id: self.id,
+                num_tokens: i64::try_from(self.tokens.len()).unwrap(),
+                num_computed_tokens: self.computed,
+                block_hashes: h.as_slice(),
+            },
+            num_prompt_tokens: self.prompt,
+            num_in_flight_tokens: 0,
+            shared_prefix_boundary: self.boundary,
+        };
+        let slots = HybridSlots {
+            num_new_tokens: n,
+            num_new_computed_tokens: hit,
+            new_computed_blocks: hits,
+            ..HybridSlots::default()
+        };
+        let new = mgr.allocate_slots(&request, &slots).unwrap().unwrap();
+        self.computed += hit + n;
+        mgr.check_invariants().unwrap();
+        new
+    }
+
+    fn lookup(&self, mgr: &HybridManager) -> (Vec<Vec<u32>>, i64, i64) {
+        let h = hashes(&self.tokens);
+        let view = RequestView {
+            request_id: self.id,
+            num_tokens: i64::try_from(self.tokens.len()).unwrap(),
+            num_computed_tokens: 0,
+            block_hashes: h.as_slice(),
+        };
+        let hit = mgr.get_computed_blocks(&view, None).unwrap();
+        (hit.blocks, hit.hit_tokens, hit.shared_prefix_boundary)
+    }
+}
+
+fn shared() -> Vec<i64> {
+    (100..116).collect()
+}
+
+fn prompt(tail: std::ops::Range<i64>) -> Vec<i64> {
+    shared().into_iter().chain(tail).collect()
+}
+
+/// Request A (22 tokens) in chunks of 8: under retention 0 its sliding-window group
+/// hashes only the blocks ending at its replay boundary (token 20), its
+/// out-of-window blocks become nulls and, unhashed, are the first blocks handed out
+/// again, to the full-attention group in the same call.
+#[test]
+fn sliding_window_tables_follow_vllm() {
+    let mut mgr = manager(Some(0));
+    let mut a = Req::new("A", prompt(200..206));
+    assert_eq!(a.step(&mut mgr, 8, None, 0), vec![vec![1, 2], vec![3, 4]]);
+    assert_eq!(a.step(&mut mgr, 8, None, 0), vec![vec![5, 6], vec![7, 8]]);
+    assert_eq!(a.step(&mut mgr, 6, None, 0), vec![vec![4, 3], vec![9, 10]]);
+    assert_eq!(
+        mgr.get_block_ids("A"),
+        vec![&[1, 2, 5, 6, 4, 3][..], &[0, 0, 7, 8, 9, 10][..]]
+    );
+    // Hashed: every full block of group 0; in group 1 only blocks 3 and 4 (tokens
+    // 12..20, the window's reach at the boundary).
+    let cached = |b: u32| mgr.block_pool().block_is_cached(b);
+    assert!([1, 2, 5, 6, 4].into_iter().all(cached));
+    assert!(!cached(3), "block 3 holds tokens 20..22, not full");
+    assert_eq!([7, 8, 9, 10].map(cached), [false, true, true, false]);
+    mgr.free("A").unwrap();
+    mgr.check_invariants().unwrap();
+
+    // C repeats A's prompt: both groups hit 20 tokens, the window's as nulls then the
+    // two blocks ending at the hit.
+    let c = Req::new("C", prompt(200..206));
+    let (blocks, hit, boundary) = c.lookup(&mgr);
+    assert_eq!((hit, boundary), (20, 0));
+    assert_eq!(blocks, vec![vec![1, 2, 5, 6, 4], vec![0, 0, 0, 8, 9]]);
+
+    // B shares only the first 16 tokens: full attention hits 16, the window none
+    // (A never hashed its blocks ending at 16), so the hit is 0 and the junction at
+    // 16 is reported for B to keep.
+    let b = Req::new("B", prompt(300..305));
+    let (_, hit, boundary) = b.lookup(&mgr);
+    assert_eq!((hit, boundary), (0, 16));
+}
+
+/// With dense retention (None) B's window group hits too: the fixed point agrees on 16.
+#[test]
+fn dense_retention_hits_the_shared_prefix() {
+    let mut mgr = manager(None);
+    let mut a = Req::new("A", prompt(200..206));
+    for n in [8, 8, 6] {
+        a.step(&mut mgr, n, None, 0);
+    }
+    mgr.free("A").unwrap();
+    let b = Req::new("B", prompt(300..305));
+    let (blocks, hit, boundary) = b.lookup(&mgr);
+    assert_eq!((hit, boundary), (16, 0));
+    assert_eq!(
+        blocks[1][..2],
+        [0, 0],
+        "the window's skipped blocks are nulls"
+    );
+}
+
+/// B, admitted with its boundary at 16, hashes its own window blocks ending there
+/// (the junction tail) though retention is 0, so a later sibling hits.
+#[test]
+fn the_junction_tail_is_cached() {
+    let mut mgr = manager(Some(0));
+    let mut a = Req::new("A", prompt(200..206));
+    for n in [8, 8, 6] {
+        a.step(&mut mgr, n, None, 0);
+    }
+    mgr.free("A").unwrap();
+    let mut b = Req::new("B", prompt(300..305));
+    b.boundary = b.lookup(&mgr).2;
+    b.step(&mut mgr, 8, None, 0);
+    b.step(&mut mgr, 8, None, 0);
+    let window_table = mgr.get_block_ids("B")[1].to_vec();
+    assert!(window_table[2..4]
+        .iter()
+        .all(|&blk| mgr.block_pool().block_is_cached(blk)));
+    let d = Req::new("D", prompt(400..410));
+    assert_eq!(d.lookup(&mgr).1, 16);
+}
+
+/// Immediate frees go group by group, each table tail first: unhashed blocks go to
+/// the head (the last group's first), hashed ones queue as the window's earlier
+/// removals, then reversed group 0, then reversed group 1 (vLLM's LRU order).
+#[test]
+fn free_order_is_group_major() {
+    let mut mgr = manager(None);
+    let mut a = Req::new("A", prompt(200..206));
+    for n in [8, 8, 6] {
+        a.step(&mut mgr, n, None, 0);
+    }
+    // Dense: the removed window blocks 3 and 4 were hashed, so they queued at the
+    // tail and the third chunk took fresh blocks.
+    assert_eq!(
+        mgr.get_block_ids("A"),
+        vec![&[1, 2, 5, 6, 9, 10][..], &[0, 0, 7, 8, 11, 12][..]]
+    );
+    mgr.free("A").unwrap();
+    let queue = mgr.block_pool().free_block_ids();
+    assert_eq!(queue[..2], [12, 10]);
+    assert_eq!(queue[queue.len() - 10..], [4, 3, 9, 6, 5, 2, 1, 11, 8, 7]);
+}
