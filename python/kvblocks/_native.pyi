@@ -394,6 +394,7 @@ class VllmKVCacheManager(KVCacheManager):
         self, blocks: KVCacheBlocks, num_computed_tokens: int
     ) -> KVCacheBlocks: ...
 
+@disjoint_base
 class HybridVllmKVCacheManager:
     def __new__(
         cls,

@@ -114,29 +114,25 @@ def _mamba() -> KVCacheSpec:
 
 #: case id -> (the change to the Scheduler's kwargs, a pattern the reason must match)
 KWARG_CASES: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
-    "two-full-attention-groups": (
-        lambda: {"kv_cache_config": _kv_config(_attention(), _attention())},
-        r"group",
-    ),
-    "full-attention-and-sliding-window-groups": (
-        lambda: {
-            "kv_cache_config": _kv_config(
-                _attention(), _attention(SlidingWindowSpec, sliding_window=8)
-            )
-        },
-        r"group",
-    ),
-    "sliding-window-spec": (
-        lambda: {"kv_cache_config": _kv_config(_attention(SlidingWindowSpec, sliding_window=8))},
-        r"SlidingWindow|sliding",
-    ),
-    "chunked-local-attention-spec": (
+    "chunked-local-group-alone": (
         lambda: {
             "kv_cache_config": _kv_config(
                 _attention(ChunkedLocalAttentionSpec, attention_chunk_size=8)
             )
         },
-        r"ChunkedLocal|chunk",
+        r"chunked-local",
+    ),
+    "unequal-block-sizes": (
+        lambda: {
+            "kv_cache_config": _kv_config(
+                FullAttentionSpec(
+                    block_size=2 * BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+                _attention(SlidingWindowSpec, sliding_window=8),
+            ),
+            "scheduler_block_size": 2 * BLOCK_SIZE,
+        },
+        r"block sizes",
     ),
     "mamba-spec": (
         lambda: {"kv_cache_config": _kv_config(_mamba())},

@@ -74,6 +74,8 @@ def _reference(scn: harness.Scenario, model_dir: Path) -> tuple[harness.RunResul
 
 @pytest.mark.parametrize("scenario_id", SCENARIO_IDS)
 def test_same_as_vllm(scenario_id: str, tiny_model_dir: Path, candidate: str) -> None:
+    """kvblocks' manager (the candidate's) does at every step what vLLM's does; vLLM raises
+    only where it refuses block-level load failures with several groups."""
     scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
     reference, counts = _reference(scn, tiny_model_dir)
     other = harness.run_scenario(scn, harness.candidate_class(scn, candidate), tiny_model_dir)
@@ -156,11 +158,12 @@ def test_a_connector_without_hma_and_several_groups(tiny_model_dir: Path, candid
 # The comparison catches a planted fault
 # --------------------------------------------------------------------------------------
 
-#: Scenarios that can show each fault, and how many of them to try at most.
+#: The seeds of ``PLANT_FAMILIES`` scanned for a scenario that shows a fault.
 PLANT_SEEDS = 40
 
 
 def _can_show(plant: str, scn: harness.Scenario) -> bool:
+    """Whether ``scn`` takes the path ``plant`` breaks (the others are not run)."""
     if plant == "dense-retention":
         return scn.enable_caching and scn.retention_interval == 0
     if plant == "reversed-deferred-free":
@@ -169,6 +172,7 @@ def _can_show(plant: str, scn: harness.Scenario) -> bool:
     return True
 
 
+#: The family and engine whose scenarios each fault is planted in.
 PLANT_FAMILIES = {
     "dense-retention": ("gpt-oss", "sync"),
     "no-window-free": ("gpt-oss", "sync"),
@@ -209,13 +213,21 @@ def test_scenario_ids_round_trip() -> None:
 
 
 def test_layouts_are_the_families() -> None:
-    """Each family draws its layout: the group kinds, windows below the prompts' lengths,
-    and retention intervals vLLM accepts (0, None, a multiple of the block size)."""
+    """Each family draws its layout: the group kinds, group orders, windows below the
+    prompts' lengths, retention intervals vLLM accepts (0, None, a multiple of the block
+    size), and a connector with ``SupportsHMA`` wherever there are several groups."""
     kinds: dict[str, set[tuple[str, ...]]] = {family: set() for family in harness.HYBRID_FAMILIES}
+    full_at: dict[str, set[int]] = {family: set() for family in harness.HYBRID_FAMILIES}
+    windows_per_layout: Counter[int] = Counter()
     retentions: Counter[str] = Counter()
     for scenario_id in SCENARIO_IDS:
         scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
         kinds[scn.family].add(tuple(sorted({group.kind for group in scn.layout})))
+        if len(scn.layout) > 1:
+            full_at[scn.family].add([group.kind for group in scn.layout].index("full"))
+        if scn.family == "gemma3":
+            windows_per_layout[len({group.window for group in scn.layout}) - 1] += 1
+        assert scn.connector_hma or len(scn.layout) == 1, scenario_id
         windows = [group.window for group in scn.layout if group.window is not None]
         longest = max(len(spec.prompt) for spec in scn.requests)
         assert all(window < longest for window in windows), scenario_id
@@ -230,3 +242,7 @@ def test_layouts_are_the_families() -> None:
     }
     assert retentions["zero"] > retentions["none"] > 0
     assert retentions["k"] > 0
+    # The full-attention group first, last and (with 3 groups or more) in between.
+    assert full_at["gpt-oss"] == {0, 1}, full_at
+    assert all(len(full_at[family]) > 2 for family in ("gemma3", "llama4")), full_at
+    assert set(windows_per_layout) == {1, 2}, windows_per_layout

@@ -66,6 +66,11 @@ class ManagerArgs:
         groups = self.kv_cache_config.kv_cache_groups
         if not groups:
             return "no KV cache group (an attention-free model)"
+        if self.dcp_world_size != 1 or self.pcp_world_size != 1:
+            return (
+                f"context parallelism (dcp_world_size={self.dcp_world_size}, "
+                f"pcp_world_size={self.pcp_world_size})"
+            )
         for group in groups:
             spec = group.kv_cache_spec
             # A full-attention spec with `sliding_window` or `attention_chunk_size` set
@@ -85,6 +90,10 @@ class ManagerArgs:
                     f"block sizes differ (group {spec.block_size}, "
                     f"scheduler {self.scheduler_block_size})"
                 )
+        if all(type(g.kv_cache_spec) is ChunkedLocalAttentionSpec for g in groups):
+            # No model has one (Llama 4's chunked layers come with full ones), so no
+            # differential run covers it.
+            return "chunked-local groups without full attention"
         if self.hash_block_size != self.scheduler_block_size:
             return (
                 f"block sizes differ (scheduler {self.scheduler_block_size}, "
@@ -101,11 +110,6 @@ class ManagerArgs:
             or retention % self.scheduler_block_size
         ):
             return f"prefix-cache retention interval {retention} (vLLM refuses it)"
-        if self.dcp_world_size != 1 or self.pcp_world_size != 1:
-            return (
-                f"context parallelism (dcp_world_size={self.dcp_world_size}, "
-                f"pcp_world_size={self.pcp_world_size})"
-            )
         if self.use_eagle or self.num_hash_lookahead_tokens or self.num_prefill_lookahead:
             return (
                 f"EAGLE/MTP lookahead (use_eagle={self.use_eagle}, "
