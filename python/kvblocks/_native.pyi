@@ -399,9 +399,10 @@ class HybridVllmKVCacheManager:
     def __new__(
         cls,
         num_blocks: int,
-        block_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
         max_model_len: int,
-        groups: Sequence[tuple[str, int | None, int, int | None, int]],
+        groups: Sequence[tuple[str, int, int | None, int, int | None, int]],
         *,
         enable_caching: bool = True,
         retention_interval: int | None = None,

@@ -133,7 +133,10 @@ FAMILIES = BASE_FAMILIES + COMBINATION_FAMILIES
 #: * ``gpt-oss``: full attention + one sliding-window group, in either order;
 #: * ``gemma3``: full attention + 2 to 5 sliding-window groups of one window (looked up
 #:   jointly), sometimes with 1 or 2 groups of a second window, in a drawn order;
-#: * ``llama4``: full attention + 1 to 3 chunked-local groups, in a drawn order.
+#: * ``llama4``: full attention + 1 to 3 chunked-local groups, in a drawn order;
+#: * ``gemma4``: full attention + 1 to 5 sliding-window groups whose blocks are twice the
+#:   full group's (the scheduler's block size is theirs, the hash block size the full
+#:   group's), as Gemma 4's larger full-attention heads make, in a drawn order.
 #:
 #: Each draws ``prefix_cache_retention_interval`` (0, vLLM's default, most often; None;
 #: or a multiple of the block size) and resends earlier prompts (so hits land on the
@@ -141,7 +144,7 @@ FAMILIES = BASE_FAMILIES + COMBINATION_FAMILIES
 #: asserts one group for a connector without it), and half the time with one. Block-level
 #: load failures are rare with several groups: vLLM refuses them (a ``RuntimeError`` ends
 #: the run there).
-HYBRID_FAMILIES = ("swa", "gpt-oss", "gemma3", "llama4")
+HYBRID_FAMILIES = ("swa", "gpt-oss", "gemma3", "llama4", "gemma4")
 #: The engines each family runs on.
 FAMILY_ENGINES: dict[str, tuple[str, ...]] = {
     **{family: ENGINES for family in FAMILIES + HYBRID_FAMILIES},
@@ -213,6 +216,8 @@ class Scenario:
     layout: tuple[GroupLayout, ...] = ()
     #: vLLM's ``prefix_cache_retention_interval`` (0 is the engine's default).
     retention_interval: int | None = 0
+    #: The block size of the requests' hashes, when smaller than ``block_size``.
+    hash_block_size: int | None = None
     #: Whether the fake connector implements ``SupportsHMA`` (needed with several groups).
     connector_hma: bool = False
 
@@ -264,6 +269,12 @@ def _draw_layout(
         layout.append(GroupLayout("full"))
         if rng.random() < 0.4:
             rng.shuffle(layout)
+    elif family == "gemma4":
+        # Windows of 2 to 4 of the window group's blocks.
+        swa = GroupLayout("sliding_window", rng.randint(2, 4 * block_size), block_size)
+        layout = [swa] * rng.randint(1, 5) + [GroupLayout("full", None, block_size // 2)]
+        if rng.random() < 0.4:
+            rng.shuffle(layout)
     else:  # llama4
         chunk = GroupLayout("chunked_local", block_size * rng.randint(1, 4))
         layout = [chunk] * rng.randint(1, 3) + [GroupLayout("full")]
@@ -299,7 +310,9 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
     def chance(p: float, *families: str) -> bool:
         return (family in families or mixed) and rng.random() < p
 
-    if hybrid:
+    if family == "gemma4":
+        block_sizes = [4, 4, 8]
+    elif hybrid:
         block_sizes = [2, 4, 4, 8]
     elif family == "small-blocks":
         block_sizes = [1, 2, 2, 4]
@@ -478,6 +491,7 @@ def make_scenario(family: str, seed: int, engine: str) -> Scenario:
         scheduling_policy="priority" if priority else "fcfs",
         layout=layout,
         retention_interval=retention,
+        hash_block_size=block_size // 2 if family == "gemma4" else None,
         connector_hma=connector_hma,
     )
 
@@ -536,7 +550,8 @@ class DiffFakeConnector(KVConnectorBase_V1):
     ) -> None:
         assert kv_cache_config is not None
         super().__init__(vllm_config, role, kv_cache_config)
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        # Offers and load ranges in the scheduler's blocks (every group's for one size).
+        self.block_size = max(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
         self._offers: dict[str, tuple[int, int, bool]] = {}
         self.attempts: Counter[str] = Counter()
         self.new_loads: list[LoadRecord] = []
@@ -886,6 +901,7 @@ def build_scheduler(scn: Scenario, scheduler_cls: type[Scheduler], model_dir: Pa
         kv_cache_config=scenario_kv_cache_config(scn),
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=scn.block_size,
+        hash_block_size=scn.hash_block_size or scn.block_size,
         log_stats=True,
     )
 
@@ -929,7 +945,7 @@ class Driver:
     ) -> None:
         self.scn = scn
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(scn.block_size, sha256)
+        self.hasher = get_request_block_hasher(scn.hash_block_size or scn.block_size, sha256)
         self.sched = build_scheduler(scn, scheduler_cls, model_dir)
         self.publisher = RecordingPublisher()
         self.sched.kv_event_publisher = self.publisher

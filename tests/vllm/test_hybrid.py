@@ -98,27 +98,31 @@ def test_same_as_vllm(scenario_id: str, tiny_model_dir: Path, candidate: str) ->
 #: What each family's scenarios reach on vLLM's runs (all engines together).
 _EVERY_FAMILY = ("preempted", "prefix_hit", "prefill_chunk", "resumed", "event_batches")
 _WINDOWS = ("swa_window_free", "swa_null_hit_admitted")
+#: What several groups bring: junctions, refused block-level failures, deferred frees.
+_GROUPS = ("junction", "invalid_blocks_refused", "call:pop_blocks_for_free")
 REQUIRED: dict[str, tuple[str, ...]] = {
     "swa": (*_EVERY_FAMILY, *_WINDOWS, "invalid_sync:recompute", "invalid_async:fail"),
-    "gpt-oss": (*_EVERY_FAMILY, *_WINDOWS, "junction", "retention0_miss"),
+    "gpt-oss": (*_EVERY_FAMILY, *_WINDOWS, *_GROUPS, "retention0_miss"),
     "gemma3": (
         *_EVERY_FAMILY,
         *_WINDOWS,
-        "junction",
+        *_GROUPS,
         "retention0_miss",
         "joint_lookup_miss",
         "fixed_point_rounds>1",
     ),
-    "llama4": (*_EVERY_FAMILY, "chunked_window_free", "chunked_null_hit_admitted"),
+    "llama4": (
+        *_EVERY_FAMILY,
+        *_GROUPS,
+        "chunked_window_free",
+        "chunked_null_hit_admitted",
+        "joint_lookup_miss",
+    ),
+    "gemma4": (*_EVERY_FAMILY, *_WINDOWS, *_GROUPS, "retention0_miss"),
 }
 #: What the families reach together, besides every counter of ``hybrid_probe.COUNTERS``:
-#: deferred frees, request-level load failures under both policies.
-REQUIRED_SOMEWHERE = (
-    *hybrid_probe.COUNTERS,
-    "call:pop_blocks_for_free",
-    "failed_recving:recompute",
-    "failed_recving:fail",
-)
+#: request-level load failures under both policies.
+REQUIRED_SOMEWHERE = (*hybrid_probe.COUNTERS, "failed_recving:recompute", "failed_recving:fail")
 
 
 def test_scenarios_cover_the_hybrid_paths() -> None:
@@ -239,6 +243,7 @@ def test_layouts_are_the_families() -> None:
         "gpt-oss": {("full", "sliding_window")},
         "gemma3": {("full", "sliding_window")},
         "llama4": {("chunked_local", "full")},
+        "gemma4": {("full", "sliding_window")},
     }
     assert retentions["zero"] > retentions["none"] > 0
     assert retentions["k"] > 0

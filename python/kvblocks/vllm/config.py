@@ -1,7 +1,7 @@
 """The arguments vLLM 0.33.0's Scheduler builds its ``KVCacheManager`` with, and which
 configurations kvblocks manages: KV cache groups of full attention (plain, MLA, or
 promoted from sliding-window or chunked-local layers), sliding-window and chunked-local
-attention, all of one block size."""
+attention, of one block size, or with larger sliding-window blocks (Gemma 4)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupRole,
+    KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -85,20 +86,13 @@ class ManagerArgs:
                 return (
                     f"KV cache group role {group.role.value} (eagle group: {group.is_eagle_group})"
                 )
-            if spec.block_size != self.scheduler_block_size:
-                return (
-                    f"block sizes differ (group {spec.block_size}, "
-                    f"scheduler {self.scheduler_block_size})"
-                )
+            reason = self._block_size_reason(spec, single=len(groups) == 1)
+            if reason is not None:
+                return reason
         if all(type(g.kv_cache_spec) is ChunkedLocalAttentionSpec for g in groups):
             # No model has one (Llama 4's chunked layers come with full ones), so no
             # differential run covers it.
             return "chunked-local groups without full attention"
-        if self.hash_block_size != self.scheduler_block_size:
-            return (
-                f"block sizes differ (scheduler {self.scheduler_block_size}, "
-                f"hash {self.hash_block_size})"
-            )
         if self.kv_cache_config.needs_kv_cache_zeroing:
             return "the KV cache needs zeroing (Mamba layers or mixed precision)"
         retention = self.kv_cache_config.prefix_cache_retention_interval
@@ -120,6 +114,22 @@ class ManagerArgs:
             return "Mamba shared-prefix checkpoints"
         if self.metrics_collector is not None:
             return "a KV cache metrics collector (observability kv_cache_metrics)"
+        return None
+
+    def _block_size_reason(self, spec: KVCacheSpec, *, single: bool) -> str | None:
+        """Why a group's block size is outside what kvblocks manages: vLLM's own
+        divisibility rules, a full-attention group with blocks larger than the hash
+        block (vLLM then caches partial tails under extra keys), a chunked-local group
+        whose blocks are not the scheduler's, or one group of another size."""
+        size, scheduler, hashed = spec.block_size, self.scheduler_block_size, self.hash_block_size
+        if (
+            scheduler % size
+            or size % hashed
+            or (type(spec) in FULL_ATTENTION_SPECS and size != hashed)
+            or (type(spec) is ChunkedLocalAttentionSpec and size != scheduler)
+            or (single and not size == scheduler == hashed)
+        ):
+            return f"block sizes differ (group {size}, scheduler {scheduler}, hash {hashed})"
         return None
 
     def single_full_attention_group(self) -> bool:

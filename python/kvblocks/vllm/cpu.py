@@ -56,11 +56,12 @@ GroupKind = Literal["full", "sliding_window", "chunked_local"]
 
 @dataclass(frozen=True, slots=True)
 class GroupLayout:
-    """One KV cache group: its attention type and, for a local one, its window (or
-    chunk) in tokens."""
+    """One KV cache group: its attention type, for a local one its window (or chunk)
+    in tokens, and its block size when it differs from the config's."""
 
     kind: GroupKind
     window: int | None = None
+    block_size: int | None = None
 
     def size(self) -> int:
         """The window (or chunk) of a local-attention group."""
@@ -86,8 +87,9 @@ def kv_cache_config(
     *,
     retention_interval: int | None = 0,
 ) -> KVCacheConfig:
-    """A ``KVCacheConfig`` with one group per item of ``groups`` (one layer each, equal
-    block sizes), as the engine core would build for a model with those layers.
+    """A ``KVCacheConfig`` with one group per item of ``groups`` (one layer each, of
+    ``block_size`` tokens unless the group says), as the engine core would build for a
+    model with those layers.
     ``retention_interval`` is vLLM's ``prefix_cache_retention_interval`` (the engine's
     default is 0)."""
     # Imported here: the rest of this module serves callers without vLLM installed.
@@ -100,14 +102,14 @@ def kv_cache_config(
         SlidingWindowSpec,
     )
 
-    shape: dict[str, Any] = {
-        "block_size": block_size,
-        "num_kv_heads": 1,
-        "head_size": 1,
-        "dtype": torch.float32,
-    }
     specs: list[Any] = []
     for group in groups:
+        shape: dict[str, Any] = {
+            "block_size": group.block_size or block_size,
+            "num_kv_heads": 1,
+            "head_size": 1,
+            "dtype": torch.float32,
+        }
         if group.kind == "full":
             specs.append(FullAttentionSpec(**shape))
         elif group.kind == "sliding_window":

@@ -32,15 +32,21 @@ from kvblocks.vllm.manager import ADMISSION_STATUSES, BlockPool, RequestId, bloc
 __all__ = ["HybridKVCacheManager"]
 
 
-def group_rows(config: ManagerArgs) -> list[tuple[str, int | None, int, int | None, int]]:
-    """The native constructor's ``groups``: per group its kind, window, retained
-    tokens, admission cap (vLLM's spec method, the one source of that rule) and lookup
-    class (the first group with an equal spec: vLLM looks those up jointly)."""
+#: One group for the native constructor: kind, block size, window, retained tokens,
+#: admission cap and lookup class.
+GroupRow = tuple[str, int, int | None, int, int | None, int]
+
+
+def group_rows(config: ManagerArgs) -> list[GroupRow]:
+    """The native constructor's ``groups``: per group its kind, block size, window,
+    retained tokens, admission cap (vLLM's spec method, the one source of that rule)
+    and lookup class (the first group with an equal spec: vLLM looks those up
+    jointly)."""
     in_flight = config.max_in_flight_tokens
     if in_flight is None:
         in_flight = config.max_model_len
     specs = [g.kv_cache_spec for g in config.kv_cache_config.kv_cache_groups]
-    rows: list[tuple[str, int | None, int, int | None, int]] = []
+    rows: list[GroupRow] = []
     for spec in specs:
         lookup_class = next(
             i for i, other in enumerate(specs) if type(other) is type(spec) and other == spec
@@ -55,6 +61,7 @@ def group_rows(config: ManagerArgs) -> list[tuple[str, int | None, int, int | No
             rows.append(
                 (
                     "sliding_window",
+                    spec.block_size,
                     spec.sliding_window,
                     spec.extra_retained_tokens,
                     cap,
@@ -62,9 +69,11 @@ def group_rows(config: ManagerArgs) -> list[tuple[str, int | None, int, int | No
                 )
             )
         elif isinstance(spec, ChunkedLocalAttentionSpec):
-            rows.append(("chunked_local", spec.attention_chunk_size, 0, cap, lookup_class))
+            rows.append(
+                ("chunked_local", spec.block_size, spec.attention_chunk_size, 0, cap, lookup_class)
+            )
         else:
-            rows.append(("full", None, 0, None, lookup_class))
+            rows.append(("full", spec.block_size, None, 0, None, lookup_class))
     return rows
 
 
@@ -144,18 +153,24 @@ class HybridKVCacheCoordinator:
     )
 
     def __init__(
-        self, manager: HybridKVCacheManager, kv_cache_config: KVCacheConfig, block_pool: BlockPool
+        self,
+        manager: HybridKVCacheManager,
+        kv_cache_config: KVCacheConfig,
+        block_pool: BlockPool,
+        *,
+        scheduler_block_size: int,
+        hash_block_size: int,
     ) -> None:
         self._manager = manager
         self.kv_cache_config = kv_cache_config
         groups = kv_cache_config.kv_cache_groups
         self.block_pool = block_pool
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
         self.single_type_managers = tuple(
             HybridSingleTypeManager(manager, g.kv_cache_spec, i, block_pool)
             for i, g in enumerate(groups)
         )
-        self.scheduler_block_size: int = groups[0].kv_cache_spec.block_size
-        self.hash_block_size = self.scheduler_block_size
         self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
         self.retention_interval = kv_cache_config.prefix_cache_retention_interval
         self.full_attention_group_id = next(
@@ -234,6 +249,7 @@ class HybridKVCacheManager(HybridVllmKVCacheManager):
             cls,
             config.kv_cache_config.num_blocks,
             config.scheduler_block_size,
+            config.hash_block_size,
             config.max_model_len,
             group_rows(config),
             enable_caching=config.enable_caching,
@@ -270,10 +286,14 @@ class HybridKVCacheManager(HybridVllmKVCacheManager):
             self.native_pool,
             enable_caching=config.enable_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
-            block_size=config.scheduler_block_size,
+            block_size=config.hash_block_size,
         )
         self.coordinator = HybridKVCacheCoordinator(
-            self, config.kv_cache_config, self._vllm_block_pool
+            self,
+            config.kv_cache_config,
+            self._vllm_block_pool,
+            scheduler_block_size=config.scheduler_block_size,
+            hash_block_size=config.hash_block_size,
         )
 
     @property

@@ -38,6 +38,11 @@ pub struct StoredRecord {
     pub first_block: usize,
     /// The KV cache group id.
     pub group: u32,
+    /// Tokens per block of the group.
+    pub block_size: usize,
+    /// The table indices of the stored blocks (a range of the log's position buffer)
+    /// when the step stored only some of its blocks: a group whose window skips blocks.
+    pub positions: Option<Range<usize>>,
 }
 
 /// One recorded event.
@@ -64,6 +69,7 @@ pub struct EventLog {
     records: Vec<EventRecord>,
     hashes: Vec<BlockHash>,
     tokens: Vec<i64>,
+    positions: Vec<usize>,
 }
 
 impl EventLog {
@@ -107,11 +113,21 @@ impl EventLog {
         self.tokens.get(record.tokens.clone()).unwrap_or_default()
     }
 
+    /// The table indices of a record's stored blocks, when the step stored only some
+    /// of its blocks (`None` then, and for a record of another log).
+    pub fn stored_positions(&self, record: &StoredRecord) -> Option<&[usize]> {
+        record
+            .positions
+            .as_ref()
+            .and_then(|r| self.positions.get(r.clone()))
+    }
+
     /// Drops every record, keeping the buffers for the next ones.
     pub fn clear(&mut self) {
         self.records.clear();
         self.hashes.clear();
         self.tokens.clear();
+        self.positions.clear();
     }
 
     /// Heap bytes held by the buffers.
@@ -120,6 +136,7 @@ impl EventLog {
         self.records.capacity() * size_of::<EventRecord>()
             + self.hashes.capacity() * size_of::<BlockHash>()
             + self.tokens.capacity() * size_of::<i64>()
+            + self.positions.capacity() * size_of::<usize>()
     }
 
     /// Records a `BlockStored` (if events are on).
@@ -130,6 +147,20 @@ impl EventLog {
         tokens: &[i64],
         first_block: usize,
         group: u32,
+    ) {
+        let block_size = self.config.map_or(0, |c| c.block_size);
+        self.record_stored_sized(hashes, parent, tokens, first_block, group, block_size);
+    }
+
+    /// [`Self::record_stored`] for a group whose blocks hold `block_size` tokens.
+    pub(crate) fn record_stored_sized(
+        &mut self,
+        hashes: &[BlockHash],
+        parent: Option<BlockHash>,
+        tokens: &[i64],
+        first_block: usize,
+        group: u32,
+        block_size: usize,
     ) {
         if self.config.is_none() {
             return;
@@ -144,7 +175,31 @@ impl EventLog {
             tokens: token_start..self.tokens.len(),
             first_block,
             group,
+            block_size,
+            positions: None,
         }));
+    }
+
+    /// [`Self::record_stored`] for a caching step over the table indices `blocks` that
+    /// stored those at `positions` (one per hash, ascending): all of them, or some.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_stored_at(
+        &mut self,
+        hashes: &[BlockHash],
+        positions: &[usize],
+        parent: Option<BlockHash>,
+        tokens: &[i64],
+        blocks: Range<usize>,
+        group: u32,
+        block_size: usize,
+    ) {
+        let all = positions.iter().copied().eq(blocks.clone());
+        self.record_stored_sized(hashes, parent, tokens, blocks.start, group, block_size);
+        if let (false, Some(EventRecord::Stored(record))) = (all, self.records.last_mut()) {
+            let start = self.positions.len();
+            self.positions.extend_from_slice(positions);
+            record.positions = Some(start..self.positions.len());
+        }
     }
 
     /// Records a `BlockRemoved` (if events are on). `still_cached` says whether another

@@ -18,15 +18,18 @@ const SWA: Attention = Attention::SlidingWindow {
 fn manager(retention: Option<i64>) -> HybridManager {
     HybridManager::new(HybridConfig {
         num_blocks: 24,
-        block_size: BS,
+        scheduler_block_size: BS,
+        hash_block_size: BS,
         groups: vec![
             GroupSpec {
                 attention: Attention::Full,
+                block_size: BS,
                 admission_cap: None,
                 lookup_class: 0,
             },
             GroupSpec {
                 attention: SWA,
+                block_size: BS,
                 admission_cap: Some(5),
                 lookup_class: 1,
             },
@@ -228,4 +231,76 @@ fn free_order_is_group_major() {
     let queue = mgr.block_pool().free_block_ids();
     assert_eq!(queue[..2], [12, 10]);
     assert_eq!(queue[queue.len() - 10..], [4, 3, 9, 6, 5, 2, 1, 11, 8, 7]);
+}
+
+/// Gemma 4 style: the sliding-window group's blocks hold 8 tokens, the full group's
+/// 4 (the hash block size), the scheduler's 8. Tables are sized per group; a window
+/// block is cached under the hash of its last 4-token block; hits are multiples of 8.
+#[test]
+fn unequal_block_sizes_view_the_hashes_per_group() {
+    let window = Attention::SlidingWindow {
+        window: 16,
+        extra_retained: 0,
+    };
+    let mut mgr = HybridManager::new(HybridConfig {
+        num_blocks: 40,
+        scheduler_block_size: 8,
+        hash_block_size: 4,
+        groups: vec![
+            GroupSpec {
+                attention: window,
+                block_size: 8,
+                admission_cap: None,
+                lookup_class: 0,
+            },
+            GroupSpec {
+                attention: Attention::Full,
+                block_size: 4,
+                admission_cap: None,
+                lookup_class: 1,
+            },
+        ],
+        enable_caching: true,
+        max_model_len: 256,
+        retention_interval: None,
+    })
+    .unwrap();
+    let mut a = Req::new("A", (0..30).collect());
+    let new = a.step(&mut mgr, 20, None, 0);
+    assert_eq!(
+        (new[0].len(), new[1].len()),
+        (3, 5),
+        "cdiv(20, 8) and cdiv(20, 4)"
+    );
+    a.step(&mut mgr, 10, None, 0);
+    let tables: Vec<Vec<u32>> = mgr
+        .get_block_ids("A")
+        .into_iter()
+        .map(<[u32]>::to_vec)
+        .collect();
+    assert_eq!((tables[0].len(), tables[1].len()), (4, 8));
+    // Caching rounds down to 8 tokens: 24 of the 30, so 3 window blocks (dense: a
+    // window of 2 blocks reaches every boundary) and 6 full ones.
+    let cached = |b: &u32| mgr.block_pool().block_is_cached(*b);
+    let window_cached: Vec<bool> = tables[0].iter().map(cached).collect();
+    assert_eq!(window_cached, [true, true, true, false]);
+    assert_eq!(tables[1].iter().filter(|b| cached(b)).count(), 6);
+    let h = hashes(&a.tokens);
+    let block = mgr.block_pool().get_cached_block(&h[3], &[0]).unwrap();
+    assert_eq!(
+        block,
+        vec![tables[0][1]],
+        "window block 1 under hash 3 (tokens 0..16)"
+    );
+    mgr.free("A").unwrap();
+    // The same prompt again: 29 tokens may hit, rounded down to 24.
+    let b = Req::new("B", (0..30).collect());
+    let (blocks, hit, _) = b.lookup(&mgr);
+    assert_eq!(hit, 24);
+    assert_eq!(
+        blocks[0],
+        [0, tables[0][1], tables[0][2]],
+        "the window's run ends at 24"
+    );
+    assert_eq!(blocks[1].len(), 6);
 }

@@ -187,7 +187,6 @@ pub fn build_events<'py>(
         groups,
     } = &state.structs;
     let (stored, removed, cleared) = (stored.bind(py), removed.bind(py), cleared.bind(py));
-    let block_size = log.config().map_or(0, |c| c.block_size);
     let mut fields = state.fields.iter().peekable();
     for (index, record) in log.records().iter().enumerate() {
         let event = match record {
@@ -204,9 +203,28 @@ pub fn build_events<'py>(
                 let (lora_id, lora_name, extra_keys) = match fields.next_if(|(at, _)| *at == index)
                 {
                     Some((_, f)) => {
-                        f.bind(py)
-                            .extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>(
+                        let (lora_id, lora_name, extra_keys) = f.bind(py).extract::<(
+                            Bound<'py, PyAny>,
+                            Bound<'py, PyAny>,
+                            Bound<'py, PyAny>,
+                        )>(
+                        )?;
+                        // The helper gives one entry per block of the range; a window
+                        // that skipped blocks reports the stored ones only, as vLLM.
+                        let extra_keys = match log.stored_positions(s) {
+                            // vLLM publishes no list for a record that stored nothing.
+                            _ if hashes.is_empty() => py.None().into_bound(py),
+                            Some(positions) => PyList::new(
+                                py,
+                                positions
+                                    .iter()
+                                    .map(|&p| extra_keys.get_item(p - s.first_block))
+                                    .collect::<PyResult<Vec<_>>>()?,
                             )?
+                            .into_any(),
+                            None => extra_keys,
+                        };
+                        (lora_id, lora_name, extra_keys)
                     }
                     // vLLM publishes no list for a record that stored nothing.
                     None if hashes.is_empty() => (
@@ -224,7 +242,7 @@ pub fn build_events<'py>(
                     hash_list,
                     parent,
                     PyList::new(py, log.stored_tokens(s))?,
-                    block_size,
+                    s.block_size,
                     lora_id,
                     MEDIUM_GPU,
                     lora_name,
@@ -260,8 +278,9 @@ pub struct RequestTokens<'py> {
     request: Option<Bound<'py, PyAny>>,
     /// A Python error met while reading, re-raised in place of the core's error.
     error: StashedError,
-    /// The request fields of the planned `BlockStored`, if the request has any.
-    fields: RefCell<Option<Py<PyAny>>>,
+    /// The request fields of each planned `BlockStored`, in the order the core asked
+    /// for their tokens (one `BlockStored` per ask): `None` for a request without any.
+    fields: RefCell<Vec<Option<Py<PyAny>>>>,
 }
 
 impl<'py> RequestTokens<'py> {
@@ -270,7 +289,7 @@ impl<'py> RequestTokens<'py> {
         Self {
             request: state.map(|_| request.clone()),
             error: StashedError::default(),
-            fields: RefCell::new(None),
+            fields: RefCell::new(Vec::new()),
         }
     }
 
@@ -311,10 +330,16 @@ impl<'py> RequestTokens<'py> {
             }
             return result;
         }
-        if let (Some(state), Some(fields)) = (state, self.fields.borrow_mut().take()) {
-            let new = log.records().get(before..).unwrap_or_default();
-            if let Some(offset) = new.iter().position(|r| matches!(r, EventRecord::Stored(_))) {
-                state.fields.push((before + offset, fields));
+        if let Some(state) = state {
+            let planned = std::mem::take(&mut *self.fields.borrow_mut());
+            let stored = (before..)
+                .zip(log.records().get(before..).unwrap_or_default())
+                .filter(|(_, r)| matches!(r, EventRecord::Stored(_)))
+                .map(|(index, _)| index);
+            for (index, fields) in stored.zip(planned) {
+                if let Some(fields) = fields {
+                    state.fields.push((index, fields));
+                }
             }
         }
         result
@@ -368,15 +393,17 @@ impl<'py> RequestTokens<'py> {
                 || (first_block == 0 && truthy(intern!(py, "cache_salt"))?)
                 || truthy(intern!(py, "mm_features"))?
         };
+        let mut planned = None;
         if has_fields {
             let helper = REQUEST_FIELDS.import(py, EVENTS_MODULE, "block_stored_request_fields")?;
             let fields = helper.call1((request, first_block, num_blocks, block_size))?;
             if !fields.is_none() {
                 // Checked now, so that take_events() cannot fail on it.
                 fields.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>()?;
-                *self.fields.borrow_mut() = Some(fields.unbind());
+                planned = Some(fields.unbind());
             }
         }
+        self.fields.borrow_mut().push(planned);
         Ok(())
     }
 }

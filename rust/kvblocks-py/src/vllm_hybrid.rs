@@ -36,10 +36,12 @@ use crate::vllm::{
 ///
 /// Args:
 ///     num_blocks: Blocks in the pool, including the null block.
-///     block_size: Tokens per block, in every group.
+///     scheduler_block_size: vLLM's scheduler block size (hits and caching align to
+///         it).
+///     hash_block_size: The block size of the requests' block hashes.
 ///     max_model_len: Token counts are capped at it, as vLLM does.
-///     groups: One ``(kind, window, extra_retained_tokens, admission_cap,
-///         lookup_class)`` per group, in vLLM's order: ``kind`` is ``"full"``,
+///     groups: One ``(kind, block_size, window, extra_retained_tokens,
+///         admission_cap, lookup_class)`` per group, in vLLM's order: ``kind`` is ``"full"``,
 ///         ``"sliding_window"`` or ``"chunked_local"``; groups with the same
 ///         ``lookup_class`` have equal specs and are looked up jointly.
 ///     enable_caching: Whether to look up and fill the prefix cache.
@@ -187,8 +189,9 @@ impl PyHybridManager {
 
 /// One group of the constructor's `groups` argument.
 fn group_spec(item: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
-    let (kind, window, extra_retained, admission_cap, lookup_class): (
+    let (kind, block_size, window, extra_retained, admission_cap, lookup_class): (
         String,
+        i64,
         Option<i64>,
         i64,
         Option<i64>,
@@ -211,6 +214,7 @@ fn group_spec(item: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
     };
     Ok(GroupSpec {
         attention,
+        block_size,
         admission_cap,
         lookup_class,
     })
@@ -223,17 +227,19 @@ impl PyHybridManager {
     #[new]
     #[pyo3(
         signature = (
-            num_blocks, block_size, max_model_len, groups, *, enable_caching=Flag::TRUE,
+            num_blocks, scheduler_block_size, hash_block_size, max_model_len, groups, *,
+            enable_caching=Flag::TRUE,
             retention_interval=None, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
             admission_statuses, event_structs=None, event_metadata=None
         ),
-        text_signature = "(num_blocks, block_size, max_model_len, groups, *, enable_caching=True, retention_interval=None, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, event_metadata=None)"
+        text_signature = "(num_blocks, scheduler_block_size, hash_block_size, max_model_len, groups, *, enable_caching=True, retention_interval=None, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, event_metadata=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: i64,
-        block_size: i64,
+        scheduler_block_size: i64,
+        hash_block_size: i64,
         max_model_len: i64,
         groups: &Bound<'_, PyAny>,
         enable_caching: Flag,
@@ -251,7 +257,8 @@ impl PyHybridManager {
         let num_groups = groups.len();
         let mut inner = HybridManager::new(HybridConfig {
             num_blocks,
-            block_size,
+            scheduler_block_size,
+            hash_block_size,
             groups,
             enable_caching: enable_caching.0,
             max_model_len,
@@ -296,7 +303,7 @@ impl PyHybridManager {
         }
         let view = Py::new(
             py,
-            PyBlockPool::of_hybrid(slf.clone().unbind(), this.inner.block_size()),
+            PyBlockPool::of_hybrid(slf.clone().unbind(), this.inner.scheduler_block_size()),
         )?;
         Ok(this.pool_view.get_or_init(|| view).clone_ref(py))
     }

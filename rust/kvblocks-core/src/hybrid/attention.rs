@@ -71,13 +71,16 @@ impl Attention {
 
     /// vLLM's `find_longest_cache_hit` of this type for the groups `group_ids` (looked
     /// up jointly): one table per group, with null blocks where the window leaves
-    /// blocks out, and the hit in tokens. `alignment` is the coordinator's hit
-    /// alignment (the block size here, as block sizes are equal).
+    /// blocks out, and the hit in tokens, a multiple of `alignment` (the
+    /// coordinator's: the scheduler block size). `hashes` are the request's, seen at
+    /// the group's `block_size`.
     ///
     /// # Errors
     /// [`Error::Index`] where vLLM indexes past the request's hashes (a bound past
     /// them, for local attention); [`Error::InvalidArgument`] where vLLM's `islice`
-    /// refuses a negative bound (full attention); the hash source's errors.
+    /// refuses a negative bound (full attention); [`Error::Assertion`] for
+    /// chunked-local groups whose block size is not the alignment, as vLLM asserts;
+    /// the hash source's errors.
     pub fn find_longest_cache_hit<H: HashSource + ?Sized>(
         self,
         pool: &BlockPool,
@@ -85,6 +88,7 @@ impl Attention {
         max_length: i64,
         group_ids: &[u32],
         block_size: i64,
+        alignment: i64,
     ) -> Result<(Vec<Vec<u32>>, i64)> {
         let groups = group_ids.len();
         let max_blocks = floor_div(max_length, block_size);
@@ -110,7 +114,12 @@ impl Attention {
                     };
                     push_each(&mut out, &blocks);
                 }
-                let hit = signed(out[0].len()) * block_size;
+                // Round down to the alignment, then drop the blocks past it.
+                let mut hit = signed(out[0].len()) * block_size;
+                hit -= hit % alignment;
+                for table in &mut out {
+                    table.truncate(index(cdiv(hit, block_size)));
+                }
                 Ok((out, hit))
             }
             Self::SlidingWindow { window, .. } => {
@@ -121,6 +130,13 @@ impl Attention {
                 let mut found = false;
                 for i in (0..max_blocks).rev() {
                     if let Some(blocks) = pool.get_cached_block(&hash_at(i)?, group_ids) {
+                        // A run must end on an aligned boundary.
+                        if run == 0
+                            && block_size != alignment
+                            && ((i + 1) * block_size) % alignment != 0
+                        {
+                            continue;
+                        }
                         for (table, block) in out.iter_mut().zip(blocks) {
                             table[index(i)] = block;
                         }
@@ -139,14 +155,25 @@ impl Attention {
                 if !found {
                     // A run from block 0 shorter than the window still hits: the
                     // window reaches back before token 0.
+                    let mut keep = run;
+                    while block_size != alignment && (keep * block_size) % alignment != 0 {
+                        keep -= 1;
+                    }
                     for table in &mut out {
-                        table.truncate(index(run));
+                        table.truncate(index(keep));
                     }
                 }
                 let hit = signed(out.first().map_or(0, Vec::len)) * block_size;
                 Ok((out, hit))
             }
             Self::ChunkedLocal { chunk } => {
+                if block_size != alignment {
+                    return Err(Error::Assertion(
+                        "KV cache groups with different block sizes are not compatible with \
+                         chunked local attention now"
+                            .to_owned(),
+                    ));
+                }
                 // Blocks before the last chunk boundary are out of every window:
                 // computed, as nulls, without a lookup.
                 let start = if max_length > 0 {
@@ -280,5 +307,79 @@ mod tests {
             Attention::Full.reachable_mask(0, 3, 4, 4, Some(0), &[]),
             None
         );
+    }
+}
+
+#[cfg(test)]
+mod lookup_tests {
+    use super::*;
+
+    fn hashes(n: u8) -> Vec<BlockHash> {
+        (1..=n).map(|i| BlockHash::new(&[i; 32]).unwrap()).collect()
+    }
+
+    /// vLLM's documented case: chunks of 8, blocks of 4, a bound of 18 tokens and an
+    /// empty cache: the blocks before the last chunk boundary (16) "hit" as nulls.
+    #[test]
+    fn chunked_local_hits_nulls_before_the_chunk() {
+        let pool = BlockPool::new(8, true).unwrap();
+        let chunk8 = Attention::ChunkedLocal { chunk: 8 };
+        let (blocks, hit) = chunk8
+            .find_longest_cache_hit(&pool, hashes(5).as_slice(), 18, &[0], 4, 4)
+            .unwrap();
+        assert_eq!((blocks, hit), (vec![vec![0, 0, 0, 0]], 16));
+        // A bound at or below 0 starts at block 0 and finds nothing.
+        let (blocks, hit) = chunk8
+            .find_longest_cache_hit(&pool, hashes(5).as_slice(), 0, &[0], 4, 4)
+            .unwrap();
+        assert_eq!((blocks, hit), (vec![vec![]], 0));
+    }
+
+    /// Groups looked up jointly hit only where every member has the block; a
+    /// sliding-window run shorter than the window counts only from block 0.
+    #[test]
+    fn joint_lookup_needs_every_group() {
+        let mut pool = BlockPool::new(16, true).unwrap();
+        let h = hashes(4);
+        pool.get_new_blocks(6).unwrap();
+        // Group 0 has blocks for hashes 0..4, group 1 only for hashes 2 and 3.
+        pool.cache_ids(&[1, 2, 3, 4], &h, 0).unwrap();
+        pool.cache_ids(&[5, 6], &h[2..], 1).unwrap();
+        let swa = Attention::SlidingWindow {
+            window: 8,
+            extra_retained: 0,
+        };
+        let (blocks, hit) = swa
+            .find_longest_cache_hit(&pool, h.as_slice(), 16, &[0, 1], 4, 4)
+            .unwrap();
+        assert_eq!(hit, 16, "hashes 2 and 3 form the 2-block run ending at 16");
+        assert_eq!(blocks, vec![vec![0, 0, 3, 4], vec![0, 0, 5, 6]]);
+        let (blocks, hit) = swa
+            .find_longest_cache_hit(&pool, h.as_slice(), 12, &[0, 1], 4, 4)
+            .unwrap();
+        assert_eq!(
+            (blocks, hit),
+            (vec![vec![], vec![]], 0),
+            "group 1 misses hash 1"
+        );
+        // Full attention stops at the first joint miss.
+        let (_, hit) = Attention::Full
+            .find_longest_cache_hit(&pool, h.as_slice(), 16, &[0, 1], 4, 4)
+            .unwrap();
+        assert_eq!(hit, 0);
+    }
+
+    /// A lookup past the request's hashes fails as vLLM's list indexing does.
+    #[test]
+    fn a_bound_past_the_hashes_is_an_index_error() {
+        let pool = BlockPool::new(8, true).unwrap();
+        let swa = Attention::SlidingWindow {
+            window: 8,
+            extra_retained: 0,
+        };
+        let err = swa
+            .find_longest_cache_hit(&pool, hashes(2).as_slice(), 16, &[0], 4, 4)
+            .unwrap_err();
+        assert!(matches!(err, Error::Index(_)), "{err:?}");
     }
 }

@@ -1,10 +1,15 @@
-//! vLLM 0.33.0's `KVCacheManager` over several KV cache groups of equal block size
-//! (full, sliding-window and chunked-local attention), or one local-attention group:
-//! its coordinators (`KVCacheCoordinatorNoPrefixCache`, `UnitaryKVCacheCoordinator`,
+//! vLLM 0.33.0's `KVCacheManager` over several KV cache groups (full, sliding-window
+//! and chunked-local attention), or one local-attention group: its coordinators
+//! (`KVCacheCoordinatorNoPrefixCache`, `UnitaryKVCacheCoordinator`,
 //! `HybridKVCacheCoordinator`) and single-type managers, for vLLM's scheduler.
 //!
 //! One pool serves every group. A request has one table per group; a local-attention
-//! table holds the null block where blocks left the window. Unlike the library's
+//! table holds the null block where blocks left the window. Groups may have different
+//! block sizes: requests are hashed at the hash block size, which divides every
+//! group's, and a group reads the hash of its block's last hash block; hits and
+//! caching align to the scheduler block size, which every group's divides. (vLLM
+//! also caches a full-attention group's partial prompt tail under an extra key when
+//! its blocks are larger than the hash block: that layout is not managed here.) Unlike the library's
 //! [`KVCacheManager`](crate::manager::KVCacheManager), this manager follows vLLM's
 //! order of effects, not validate-then-mutate: `allocate_slots` frees out-of-window
 //! blocks before it may return `None`, as vLLM's does, and an assertion vLLM makes
@@ -36,6 +41,8 @@ use crate::request::{HashSource, RequestView};
 pub struct GroupSpec {
     /// Its attention type.
     pub attention: Attention,
+    /// Tokens per block of the group.
+    pub block_size: i64,
     /// The per-request block cap of the admission gate (vLLM's
     /// `max_admission_blocks_per_request`; local attention only).
     pub admission_cap: Option<i64>,
@@ -48,8 +55,11 @@ pub struct GroupSpec {
 pub struct HybridConfig {
     /// Blocks in the pool, the null block included.
     pub num_blocks: i64,
-    /// Tokens per block, in every group.
-    pub block_size: i64,
+    /// The scheduler's block size: the least common multiple of the groups' (hits
+    /// and caching are aligned to it).
+    pub scheduler_block_size: i64,
+    /// The block size of the request's hashes: it divides every group's.
+    pub hash_block_size: i64,
     /// The groups, in vLLM's group order.
     pub groups: Vec<GroupSpec>,
     /// Whether the prefix cache is on.
@@ -146,7 +156,8 @@ impl GroupTable {
 #[derive(Debug, Clone)]
 pub struct HybridManager {
     pool: BlockPool,
-    block_size: i64,
+    scheduler_block_size: i64,
+    hash_block_size: i64,
     groups: Vec<GroupSpec>,
     /// Spec groups for the hybrid lookup: full attention first, then by first member.
     lookup_groups: Vec<(Attention, Vec<u32>)>,
@@ -161,17 +172,30 @@ impl HybridManager {
     /// A manager over a fresh pool.
     ///
     /// # Errors
-    /// [`Error::NonPositive`] for `num_blocks`, `block_size` or a window;
-    /// [`Error::InvalidArgument`] without groups.
+    /// [`Error::NonPositive`] for `num_blocks`, a block size or a window;
+    /// [`Error::InvalidArgument`] without groups, or for block sizes that do not
+    /// divide each other as vLLM requires (the hash block size divides every
+    /// group's, which divides the scheduler's).
     pub fn new(config: HybridConfig) -> Result<Self> {
         positive("num_blocks", config.num_blocks)?;
-        positive("block_size", config.block_size)?;
+        positive("scheduler_block_size", config.scheduler_block_size)?;
+        positive("hash_block_size", config.hash_block_size)?;
         if config.groups.is_empty() {
             return Err(Error::InvalidArgument(
                 "a hybrid manager needs at least one KV cache group".to_owned(),
             ));
         }
         for group in &config.groups {
+            positive("block_size", group.block_size)?;
+            if group.block_size % config.hash_block_size != 0
+                || config.scheduler_block_size % group.block_size != 0
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "block size {} is not a multiple of the hash block size {} or does not \
+                     divide the scheduler block size {}",
+                    group.block_size, config.hash_block_size, config.scheduler_block_size
+                )));
+            }
             match group.attention {
                 Attention::Full => {}
                 Attention::SlidingWindow { window, .. } => {
@@ -203,7 +227,8 @@ impl HybridManager {
         };
         Ok(Self {
             pool: BlockPool::new(config.num_blocks, config.enable_caching)?,
-            block_size: config.block_size,
+            scheduler_block_size: config.scheduler_block_size,
+            hash_block_size: config.hash_block_size,
             groups: config.groups,
             lookup_groups: lookup_groups
                 .into_iter()
@@ -234,7 +259,7 @@ impl HybridManager {
     /// Starts recording KV cache events (vLLM's: a `BlockRemoved` per key).
     pub fn enable_kv_cache_events(&mut self) {
         self.pool.enable_events(EventConfig {
-            block_size: index(self.block_size),
+            block_size: index(self.scheduler_block_size),
             last_copy_removal: false,
         });
     }
@@ -259,9 +284,18 @@ impl HybridManager {
         &mut self.pool
     }
 
-    /// Tokens per block.
-    pub fn block_size(&self) -> i64 {
-        self.block_size
+    /// The scheduler's block size.
+    pub fn scheduler_block_size(&self) -> i64 {
+        self.scheduler_block_size
+    }
+
+    /// The request's hashes seen at group `gid`'s block size (vLLM's
+    /// `resolve_block_hashes`).
+    fn view<'a, H: HashSource + ?Sized>(&self, hashes: &'a H, gid: usize) -> HashView<'a, H> {
+        HashView {
+            hashes,
+            scale: index(self.groups[gid].block_size / self.hash_block_size).max(1),
+        }
     }
 
     /// The groups, in vLLM's order.
@@ -294,12 +328,15 @@ impl HybridManager {
         let (blocks, hit_tokens, uncached) = match self.coordinator {
             Coordinator::NoPrefixCache => (vec![Vec::new(); self.groups.len()], 0, 0),
             Coordinator::Unitary => {
-                let (blocks, hit) = self.groups[0].attention.find_longest_cache_hit(
+                // The unitary coordinator aligns hits to the group's block size.
+                let group = self.groups[0];
+                let (blocks, hit) = group.attention.find_longest_cache_hit(
                     &self.pool,
-                    hashes,
+                    &self.view(hashes, 0),
                     max_length,
                     &[0],
-                    self.block_size,
+                    group.block_size,
+                    group.block_size,
                 )?;
                 (blocks, hit, 0)
             }
@@ -337,12 +374,14 @@ impl HybridManager {
                     current = current.min(lengths[first]);
                     continue;
                 }
+                let block_size = self.groups[first].block_size;
                 let (hits, new_length) = attention.find_longest_cache_hit(
                     &self.pool,
-                    hashes,
+                    &self.view(hashes, first),
                     current,
                     members,
-                    self.block_size,
+                    block_size,
+                    self.scheduler_block_size,
                 )?;
                 current = new_length;
                 for (&gid, group_hits) in members.iter().zip(hits) {
@@ -359,9 +398,9 @@ impl HybridManager {
                 break;
             }
         }
-        let keep = index(cdiv(hit_length, self.block_size));
         for (attention, members) in &self.lookup_groups {
             if attention.is_full() {
+                let keep = index(cdiv(hit_length, self.groups[ix(members[0])].block_size));
                 for &gid in members {
                     if let Some(hits) = &mut blocks[ix(gid)] {
                         hits.truncate(keep);
@@ -435,12 +474,11 @@ impl HybridManager {
         if args.new_computed_blocks.is_some() || args.num_external_computed_tokens > 0 {
             self.allocate_new_computed_blocks(id, hits, local, args.num_external_computed_tokens)?;
         }
-        let required = cdiv(slot_tokens, self.block_size);
         let tables = tables_of(&mut self.requests, id, self.groups.len());
         let mut new_blocks = Vec::with_capacity(tables.len());
-        for table in tables.iter_mut() {
+        for (group, table) in self.groups.iter().zip(tables.iter_mut()) {
             let table = table.entry();
-            let n = required - signed(table.len());
+            let n = cdiv(slot_tokens, group.block_size) - signed(table.len());
             let first = table.len();
             if n > 0 {
                 self.pool.get_new_blocks_into(index(n), table)?;
@@ -475,7 +513,7 @@ impl HybridManager {
         for (gid, group) in self.groups.iter().enumerate() {
             let group_hits = hits.get(gid).map_or(&[][..], Vec::as_slice);
             let table = tables.and_then(|t| t.get(gid));
-            let mut required = cdiv(num_tokens, self.block_size);
+            let mut required = cdiv(num_tokens, group.block_size);
             if let (true, Some(cap)) = (apply_admission_cap, group.admission_cap) {
                 required = required.min(cap);
             }
@@ -491,7 +529,7 @@ impl HybridManager {
             }
             let skipped = floor_div(
                 group.attention.skipped_tokens(total_computed_tokens),
-                self.block_size,
+                group.block_size,
             );
             let new = (required - skipped.max(signed(group_hits.len()) + held)).max(0);
             let first_kept = index((skipped - held).max(0));
@@ -528,7 +566,6 @@ impl HybridManager {
             return Ok(());
         }
         let caching = self.pool.enable_caching();
-        let block_size = self.block_size;
         let tables = tables_of(&mut self.requests, request_id, self.groups.len());
         for (gid, (group, table)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
             if table.len() != 0 {
@@ -536,7 +573,10 @@ impl HybridManager {
                     "request {request_id} already holds blocks in group {gid}"
                 )));
             }
-            let skipped = floor_div(group.attention.skipped_tokens(local + external), block_size);
+            let skipped = floor_div(
+                group.attention.skipped_tokens(local + external),
+                group.block_size,
+            );
             let kept = hits[gid]
                 .get(index(skipped).min(hits[gid].len())..)
                 .unwrap_or_default();
@@ -566,7 +606,7 @@ impl HybridManager {
                     continue;
                 }
                 let blocks = table.entry();
-                let n = (cdiv(total, block_size) - signed(blocks.len())).max(0);
+                let n = (cdiv(total, group.block_size) - signed(blocks.len())).max(0);
                 self.pool.get_new_blocks_into(index(n), blocks)?;
             }
         }
@@ -577,7 +617,6 @@ impl HybridManager {
     /// token attends to once `processed_tokens` are processed go back to the pool,
     /// highest index first, and become null blocks in the table.
     pub fn remove_skipped_blocks(&mut self, request_id: &str, processed_tokens: i64) {
-        let block_size = self.block_size;
         let num_groups = self.groups.len();
         for (gid, group) in self.groups.iter().enumerate() {
             let skipped = group.attention.skipped_tokens(processed_tokens);
@@ -585,7 +624,7 @@ impl HybridManager {
                 continue;
             }
             let table = tables_of(&mut self.requests, request_id, num_groups)[gid].entry();
-            let last = index(floor_div(skipped, block_size)).min(table.len());
+            let last = index(floor_div(skipped, group.block_size)).min(table.len());
             let mut freed = Vec::new();
             for i in (0..last).rev() {
                 if table[i] == NULL_BLOCK_ID {
@@ -620,7 +659,8 @@ impl HybridManager {
         let view = &request.view;
         let tokens = match self.coordinator {
             Coordinator::Hybrid => {
-                floor_div(num_computed_tokens, self.block_size) * self.block_size
+                floor_div(num_computed_tokens, self.scheduler_block_size)
+                    * self.scheduler_block_size
             }
             _ => num_computed_tokens.max(0),
         };
@@ -628,20 +668,20 @@ impl HybridManager {
         if request.shared_prefix_boundary != 0 {
             boundaries.push(request.shared_prefix_boundary);
         }
-        let num_hashed = signed(view.block_hashes.num_hashes()) * self.block_size;
+        let num_hashed = signed(view.block_hashes.num_hashes()) * self.hash_block_size;
         for gid in 0..self.groups.len() {
             let group = self.groups[gid];
             let state = self.requests.get(view.request_id).and_then(|t| t.get(gid));
             let num_cached = state.and_then(|t| t.num_cached).unwrap_or(0);
-            let full = index(floor_div(tokens.min(num_hashed), self.block_size));
+            let full = index(floor_div(tokens.min(num_hashed), group.block_size));
             if num_cached >= full {
                 continue;
             }
             let mask = group.attention.reachable_mask(
                 num_cached,
                 full,
-                self.block_size,
-                self.block_size,
+                group.block_size,
+                self.scheduler_block_size,
                 self.retention_interval,
                 &boundaries,
             );
@@ -653,8 +693,10 @@ impl HybridManager {
                     table.len()
                 )));
             }
+            let group_hashes = self.view(view.block_hashes, gid);
             let mut ids = Vec::new();
             let mut hashes = Vec::new();
+            let mut positions = Vec::new();
             for i in num_cached..full {
                 let Some(&block) = table.get(i) else {
                     // vLLM slices the table, so a count past it caches what is there;
@@ -669,25 +711,28 @@ impl HybridManager {
                     continue;
                 }
                 ids.push(block);
-                hashes.push(view.block_hashes.hash(i)?);
+                hashes.push(group_hashes.hash(i)?);
+                positions.push(i);
             }
             let event = if self.pool.events().is_enabled() {
                 let parent = match num_cached.checked_sub(1) {
-                    Some(i) => Some(view.block_hashes.hash(i)?),
+                    Some(i) => Some(group_hashes.hash(i)?),
                     None => None,
                 };
-                Some((parent, self.token_ids(view, num_cached, full)?))
+                Some((parent, token_ids(view, num_cached, full, group.block_size)?))
             } else {
                 None
             };
             self.pool.cache_ids(&ids, &hashes, gid_u32(gid))?;
             if let Some((parent, tokens)) = event {
-                self.pool.events_mut().record_stored(
+                self.pool.events_mut().record_stored_at(
                     &hashes,
+                    &positions,
                     parent,
                     &tokens,
-                    num_cached,
+                    num_cached..full,
                     gid_u32(gid),
+                    index(group.block_size),
                 );
             }
             let table = &mut tables_of(&mut self.requests, view.request_id, self.groups.len())[gid];
@@ -695,25 +740,6 @@ impl HybridManager {
             table.num_cached = Some(full);
         }
         Ok(())
-    }
-
-    /// The token ids of blocks `first .. end` of the request, for a `BlockStored`.
-    fn token_ids<H: HashSource + ?Sized>(
-        &self,
-        view: &RequestView<'_, H>,
-        first: usize,
-        end: usize,
-    ) -> Result<Vec<i64>> {
-        let Some(source) = view.block_hashes.token_source() else {
-            return Err(Error::InvalidArgument(format!(
-                "KV cache events need the token ids of request {}",
-                view.request_id
-            )));
-        };
-        let bs = index(self.block_size);
-        let mut tokens = Vec::with_capacity((end - first).saturating_mul(bs));
-        source.token_ids(first * bs..end * bs, bs, &mut tokens)?;
-        Ok(tokens)
     }
 
     /// vLLM's `emit_cached_block_events` for a lookup reported in "full" mode: one
@@ -735,18 +761,25 @@ impl HybridManager {
             if n == 0 {
                 continue;
             }
-            let mut hashes = Vec::with_capacity(n);
-            request.block_hashes.hashes(0..n, &mut hashes)?;
-            if hashes.len() != n {
+            let block_size = self.groups[gid].block_size;
+            let group_hashes = self.view(request.block_hashes, gid);
+            if group_hashes.num_hashes() < n {
                 return Err(Error::TooFewHashes {
                     needed: n,
-                    got: hashes.len(),
+                    got: group_hashes.num_hashes(),
                 });
             }
-            let tokens = self.token_ids(request, 0, n)?;
-            self.pool
-                .events_mut()
-                .record_stored(&hashes, None, &tokens, 0, gid_u32(gid));
+            let mut hashes = Vec::with_capacity(n);
+            group_hashes.hashes(0..n, &mut hashes)?;
+            let tokens = token_ids(request, 0, n, block_size)?;
+            self.pool.events_mut().record_stored_sized(
+                &hashes,
+                None,
+                &tokens,
+                0,
+                gid_u32(gid),
+                index(block_size),
+            );
         }
         Ok(())
     }
@@ -795,10 +828,11 @@ impl HybridManager {
         request_id: &str,
         num_computed_tokens: i64,
     ) -> Vec<&[u32]> {
-        let end = cdiv(num_computed_tokens, self.block_size);
         self.get_block_ids(request_id)
             .into_iter()
-            .map(|table| {
+            .zip(&self.groups)
+            .map(|(table, group)| {
+                let end = cdiv(num_computed_tokens, group.block_size);
                 let len = signed(table.len());
                 let end = if end < 0 {
                     (len + end).max(0)
@@ -815,11 +849,12 @@ impl HybridManager {
     pub fn estimate_cached_tokens(&self, request_id: &str) -> i64 {
         self.get_block_ids(request_id)
             .iter()
-            .map(|table| {
+            .zip(&self.groups)
+            .map(|(table, group)| {
                 table
                     .iter()
                     .rposition(|&b| b != NULL_BLOCK_ID && self.pool.block_is_cached(b))
-                    .map_or(0, |i| signed(i + 1) * self.block_size)
+                    .map_or(0, |i| signed(i + 1) * group.block_size)
             })
             .min()
             .unwrap_or(0)
@@ -900,6 +935,38 @@ impl HybridManager {
     }
 }
 
+/// A request's hashes seen at a group's block size, `scale` times the hash block
+/// size: block `i`'s hash is the last hash it covers (vLLM's
+/// `BlockHashListWithBlockSize`, hashes being chained over their prefix).
+struct HashView<'a, H: ?Sized> {
+    hashes: &'a H,
+    scale: usize,
+}
+
+impl<H: HashSource + ?Sized> HashSource for HashView<'_, H> {
+    fn num_hashes(&self) -> usize {
+        self.hashes.num_hashes() / self.scale
+    }
+
+    fn hashes(&self, range: std::ops::Range<usize>, out: &mut Vec<BlockHash>) -> Result<()> {
+        if self.scale == 1 {
+            return self.hashes.hashes(range, out);
+        }
+        for i in range {
+            out.push(self.hash(i)?);
+        }
+        Ok(())
+    }
+
+    fn hash(&self, i: usize) -> Result<BlockHash> {
+        self.hashes.hash((i + 1) * self.scale - 1)
+    }
+
+    fn token_source(&self) -> Option<&dyn crate::request::TokenSource> {
+        self.hashes.token_source()
+    }
+}
+
 /// The request's per-group state, created empty if unknown (vLLM's managers create
 /// their entries on first use).
 fn tables_of<'a>(
@@ -917,6 +984,26 @@ fn tables_of<'a>(
     requests
         .get_mut(request_id)
         .unwrap_or_else(|| unreachable!("inserted above"))
+}
+
+/// The token ids of blocks `first .. end` (of `block_size` tokens) of the request,
+/// for a `BlockStored`.
+fn token_ids<H: HashSource + ?Sized>(
+    view: &RequestView<'_, H>,
+    first: usize,
+    end: usize,
+    block_size: i64,
+) -> Result<Vec<i64>> {
+    let Some(source) = view.block_hashes.token_source() else {
+        return Err(Error::InvalidArgument(format!(
+            "KV cache events need the token ids of request {}",
+            view.request_id
+        )));
+    };
+    let bs = index(block_size);
+    let mut tokens = Vec::with_capacity((end - first).saturating_mul(bs));
+    source.token_ids(first * bs..end * bs, bs, &mut tokens)?;
+    Ok(tokens)
 }
 
 /// A group index as vLLM's group id.
