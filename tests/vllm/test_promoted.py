@@ -17,7 +17,8 @@ import torch
 from kvblocks.vllm import KVCacheManager, unsupported_reason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-SEEDS = 5
+#: Seeds per family and engine: 17 x 3 families x 2 engines = 102 scenarios per layout.
+SEEDS = 17
 
 #: The promoted specs: gpt-oss-like (window 128) and Llama-4-like (chunks of 8,192),
 #: scaled to the tiny blocks of the scenarios.
