@@ -27,6 +27,8 @@ from vllm.v1.request import Request, RequestStatus
 from kvblocks import _native
 from kvblocks.constants import ROLLBACK_MODES, either
 from kvblocks.vllm.factory import bind_manager_factory, make_kv_cache_manager
+from kvblocks.vllm.hashing import log_fallback, native_block_hasher, use_native_hasher
+from kvblocks.vllm.hybrid import HybridKVCacheManager
 from kvblocks.vllm.manager import KVCacheManager
 
 __all__ = ["KVBlocksAsyncScheduler", "KVBlocksScheduler", "rollback_mode", "with_kvblocks"]
@@ -59,6 +61,8 @@ class KVBlocksScheduling:
     kv_holding_waiting: Any
     recompute_kv_load_failures: bool
     failed_recving_kv_req_ids: set[str]
+    vllm_config: Any
+    hash_block_size: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._rollback_mode = rollback_mode()
@@ -70,6 +74,18 @@ class KVBlocksScheduling:
                 super().__init__(*args, **kwargs)
             finally:
                 bind_manager_factory(saved)
+        ours = isinstance(self.kv_cache_manager, KVCacheManager | HybridKVCacheManager)
+        self._block_hasher, reason = native_block_hasher(
+            self.vllm_config, self.hash_block_size, kvblocks_manager=ours
+        )
+        if ours:
+            log_fallback(reason)
+
+    def add_request(self, request: Request) -> None:
+        """vLLM's ``add_request``, with the request's block hashes computed by kvblocks'
+        native hasher from now on (see :mod:`kvblocks.vllm.hashing`)."""
+        use_native_hasher(request, self._block_hasher)
+        super().add_request(request)  # type: ignore[misc]
 
     # vLLM calls this only from _handle_invalid_blocks, overridden below; it stays for
     # subclasses and out-of-tree callers, with the same native rollback.
