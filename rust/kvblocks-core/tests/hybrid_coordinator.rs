@@ -304,3 +304,71 @@ fn unequal_block_sizes_view_the_hashes_per_group() {
     );
     assert_eq!(blocks[1].len(), 6);
 }
+
+/// The admission gate caps a window group's count at its admission cap (vLLM's
+/// `max_admission_blocks_per_request`); the step's own count is not capped.
+#[test]
+fn admission_cap_applies_to_window_groups_only() {
+    let mgr = manager(Some(0));
+    let uncapped = mgr
+        .num_blocks_to_allocate("new", 64, &[], 0, false)
+        .unwrap();
+    let capped = mgr.num_blocks_to_allocate("new", 64, &[], 0, true).unwrap();
+    assert_eq!((uncapped, capped), (16 + 16, 16 + 5));
+}
+
+/// External tokens reaching past a window: vLLM pads the skipped blocks with nulls
+/// and allocates the rest of the external range, then the new tokens' blocks.
+#[test]
+fn external_tokens_past_the_window_start_with_nulls() {
+    let mut mgr = manager(Some(0));
+    let tokens: Vec<i64> = (0..20).collect();
+    let h = hashes(&tokens);
+    let request = HybridRequest {
+        view: RequestView {
+            request_id: "X",
+            num_tokens: 20,
+            num_computed_tokens: 0,
+            block_hashes: h.as_slice(),
+        },
+        num_prompt_tokens: 20,
+        num_in_flight_tokens: 0,
+        shared_prefix_boundary: 0,
+    };
+    let slots = HybridSlots {
+        num_new_tokens: 4,
+        num_external_computed_tokens: 16,
+        ..HybridSlots::default()
+    };
+    let new = mgr.allocate_slots(&request, &slots).unwrap().unwrap();
+    let tables = mgr.get_block_ids("X");
+    // Skipped: 16 - 8 + 1 = 9 tokens, 2 blocks; external blocks up to cdiv(16, 4).
+    assert_eq!(tables[1][..2], [0, 0]);
+    assert!(tables[1][2..].iter().all(|&b| b != 0));
+    assert_eq!((tables[0].len(), tables[1].len()), (5, 5));
+    assert_eq!(
+        (new[0].len(), new[1].len()),
+        (1, 1),
+        "only the new tokens' block is new"
+    );
+    mgr.check_invariants().unwrap();
+    // Deferred frees get the groups' tables one after the other, leading nulls dropped.
+    let full: Vec<u32> = tables[0].to_vec();
+    let window: Vec<u32> = tables[1][2..].to_vec();
+    let popped = mgr.pop_blocks_for_free("X");
+    assert_eq!(popped, [full, window].concat());
+}
+
+/// `estimate_cached_tokens` is the smallest, over groups, of the end of the last
+/// hashed block: a window group that hashed only its boundary tail bounds it.
+#[test]
+fn estimated_cached_tokens_is_the_least_over_groups() {
+    let mut mgr = manager(Some(0));
+    let mut a = Req::new("A", prompt(200..206));
+    a.step(&mut mgr, 8, None, 0);
+    // Full group: blocks 0 and 1 hashed (8 tokens); window group: none yet.
+    assert_eq!(mgr.estimate_cached_tokens("A"), 0);
+    a.step(&mut mgr, 8, None, 0);
+    // Window group: block 3 (tokens 12..16) hashed, the boundary tail; full: 16.
+    assert_eq!(mgr.estimate_cached_tokens("A"), 16);
+}
