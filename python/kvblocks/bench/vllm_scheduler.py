@@ -67,7 +67,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -511,6 +511,20 @@ class _Agreement:
         )
 
 
+def _timed(
+    agreement: _Agreement, who: str, steps: int
+) -> Callable[[_Driver], tuple[float, RoundRecord]]:
+    """A round of ``steps`` timed steps on ``who``'s driver, its schedule checked
+    against the other side's."""
+
+    def run(driver: _Driver) -> tuple[float, RoundRecord]:
+        seconds, record = driver.run(steps)
+        agreement.check(who, driver.scheduled)
+        return seconds, record
+
+    return run
+
+
 def _stock_scheduler() -> Any:
     return importlib.import_module(_SCHEDULER).Scheduler
 
@@ -565,15 +579,7 @@ def vllm_scheduler(
         kvblocks_vllm = importlib.import_module("kvblocks.vllm")
         return make(kvblocks_vllm.KVBlocksScheduler, kvblocks_vllm.KVCacheManager)
 
-    def run_on(who: str) -> Any:
-        def run(driver: _Driver) -> tuple[float, RoundRecord]:
-            seconds, record = driver.run(steps)
-            agreement.check(who, driver.scheduled)
-            return seconds, record
-
-        return run
-
-    run_kvblocks = run_on("kvblocks' manager")
+    run_kvblocks = _timed(agreement, "kvblocks' manager", steps)
 
     def check(driver: _Driver, record: RoundRecord) -> None:
         assert record.steps == steps and record.mean_tokens > 0
@@ -594,7 +600,7 @@ def vllm_scheduler(
         run=lambda backend, driver: run_kvblocks(driver),
         check=check,
         vllm_setup=lambda: make(_stock_scheduler()),
-        vllm_run=run_on("vLLM's manager"),
+        vllm_run=_timed(agreement, "vLLM's manager", steps),
         has_reference=False,
         self_timed=True,
     )
@@ -813,15 +819,7 @@ def vllm_scheduler_hybrid(
         driver.warm_up()
         return driver
 
-    def run_on(who: str) -> Any:
-        def run(driver: _Driver) -> tuple[float, RoundRecord]:
-            seconds, record = driver.run(steps)
-            agreement.check(who, driver.scheduled)
-            return seconds, record
-
-        return run
-
-    run_native = run_on("kvblocks' scheduler")
+    run_native = _timed(agreement, "kvblocks' scheduler", steps)
 
     def check(driver: _Driver, record: RoundRecord) -> None:
         assert record.steps == steps and record.mean_tokens > 0
@@ -841,7 +839,7 @@ def vllm_scheduler_hybrid(
         run=lambda backend, driver: run_native(driver),
         check=check,
         vllm_setup=lambda: make(_stock_scheduler(), managers.vllm_side),
-        vllm_run=run_on("vLLM's scheduler"),
+        vllm_run=_timed(agreement, "vLLM's scheduler", steps),
         has_reference=False,
         self_timed=True,
     )

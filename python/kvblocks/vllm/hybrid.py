@@ -1,7 +1,7 @@
 """``HybridKVCacheManager``: vLLM 0.33.0's manager surface for several KV cache groups
-of one block size (full, sliding-window and chunked-local attention, as gpt-oss,
-Gemma 2/3, Cohere2 and Llama 4 have) or one local-attention group, with its state and
-decisions in kvblocks' Rust core.
+(full, sliding-window and chunked-local attention, as gpt-oss, Gemma 2/3/4, Cohere2 and
+Llama 4 have) or one local-attention group, with its state and decisions in kvblocks'
+Rust core.
 
 The hot calls are native methods; this module adds the constructor vLLM calls, the
 per-group members vLLM's coordinator and single-type managers expose, and the stats,
@@ -20,14 +20,19 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
-    get_kv_cache_spec_sliding_window,
 )
-from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
-from kvblocks._native import HybridVllmKVCacheManager, KVCacheBlocks, KVCacheBlockView
+from kvblocks._native import HybridVllmKVCacheManager, KVCacheBlockView
 from kvblocks.vllm.config import ManagerArgs
-from kvblocks.vllm.manager import ADMISSION_STATUSES, BlockPool, RequestId, block_ids, spec_kind
+from kvblocks.vllm.manager import (
+    ADMISSION_STATUSES,
+    BlockPool,
+    CoordinatorCalls,
+    ManagerSurface,
+    block_ids,
+    event_metadata,
+)
 
 __all__ = ["HybridKVCacheManager"]
 
@@ -130,7 +135,7 @@ class HybridSingleTypeManager:
         return dict(self._manager.cached_block_counts(self.kv_cache_group_id))
 
 
-class HybridKVCacheCoordinator:
+class HybridKVCacheCoordinator(CoordinatorCalls):
     """vLLM's coordinator members that leak out of its manager, for several groups."""
 
     enable_partial_hash_hits = False
@@ -180,37 +185,6 @@ class HybridKVCacheCoordinator:
         self.eagle_group_ids: set[int] = set()
         self.drop_eagle_group_ids: set[int] = set()
 
-    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlockView], ...]:
-        """The request's blocks, one sequence per group."""
-        return self._manager.get_blocks(request_id).blocks  # type: ignore[no-any-return]
-
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Caches the request's full blocks within ``num_computed_tokens`` tokens."""
-        self._manager.cache_blocks(request, num_computed_tokens)
-
-    def free(self, request_id: str) -> None:
-        """Frees the request's blocks, group by group, tail first."""
-        self._manager.free(RequestId(request_id))
-
-    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlockView]:
-        """Forgets the request; returns its blocks, unfreed, group after group."""
-        return self._manager.pop_blocks_for_free(RequestId(request_id))  # type: ignore[no-any-return]
-
-    def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache if no block is in use."""
-        return self._manager.block_pool.reset_prefix_cache()
-
-    def new_step_starts(self) -> None:
-        """Nothing to do without Mamba groups."""
-
-    def remove_skipped_blocks(
-        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
-        """Frees the blocks that left each group's window."""
-        self._manager.remove_skipped_blocks(
-            request_id, processed_computed_tokens, num_prompt_tokens
-        )
-
     def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
         self,
         request_id: str,
@@ -233,9 +207,9 @@ class HybridKVCacheCoordinator:
         )
 
 
-class HybridKVCacheManager(HybridVllmKVCacheManager):
-    """vLLM 0.33.0's ``KVCacheManager`` for several KV cache groups of one block size
-    (or one local-attention group), with its state and decisions in Rust. Takes vLLM's
+class HybridKVCacheManager(ManagerSurface, HybridVllmKVCacheManager):
+    """vLLM 0.33.0's ``KVCacheManager`` for several KV cache groups (or one
+    local-attention group), with its state and decisions in Rust. Takes vLLM's
     constructor arguments (:class:`~kvblocks.vllm.config.ManagerArgs`); build it
     through :func:`kvblocks.vllm.make_kv_cache_manager`."""
 
@@ -244,7 +218,6 @@ class HybridKVCacheManager(HybridVllmKVCacheManager):
         reason = config.unsupported_reason()
         if reason is not None:
             raise ValueError(f"kvblocks' HybridKVCacheManager does not support {reason}")
-        groups = config.kv_cache_config.kv_cache_groups
         return super().__new__(  # type: ignore[no-any-return]
             cls,
             config.kv_cache_config.num_blocks,
@@ -258,29 +231,12 @@ class HybridKVCacheManager(HybridVllmKVCacheManager):
             watermark=config.watermark,
             admission_statuses=list(ADMISSION_STATUSES),
             event_structs=vllm_events,
-            event_metadata=[
-                (spec_kind(g.kv_cache_spec), get_kv_cache_spec_sliding_window(g.kv_cache_spec))
-                for g in groups
-            ],
+            event_metadata=list(event_metadata(config)),
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = ManagerArgs(*args, **kwargs)
-        self.kv_cache_config = config.kv_cache_config
-        self.max_model_len = config.max_model_len
-        self.log_stats = config.log_stats
-        #: vLLM's accumulator, replaced by :meth:`make_prefix_cache_stats`.
-        self.prefix_cache_stats = PrefixCacheStats() if config.log_stats else None
-        self.enable_kv_cache_events = config.enable_kv_cache_events
-        self.use_eagle = False
-        self.metrics_collector = None
-        self.mamba_shared_prefix_checkpoint = False
-        self.retained_hit_group_ids: tuple[int, ...] = ()
-        groups = config.kv_cache_config.kv_cache_groups
-        self.kv_cache_event_metadata = tuple(
-            (spec_kind(g.kv_cache_spec), get_kv_cache_spec_sliding_window(g.kv_cache_spec))
-            for g in groups
-        )
+        self._set_vllm_attributes(config)
         self._vllm_block_pool = BlockPool(
             self,
             self.native_pool,
@@ -305,16 +261,6 @@ class HybridKVCacheManager(HybridVllmKVCacheManager):
         """The request's block ids, one list per group."""
         return self.get_blocks(request_id).get_block_ids()  # type: ignore[return-value]
 
-    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        """Whether a local prefix-cache lookup may run for this request."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """``get_computed_blocks`` plus ``hit_diverged`` (only Mamba layouts diverge)."""
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
-
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """Records one admission's lookup as vLLM does (not for a skipped lookup)."""
         if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
@@ -324,45 +270,3 @@ class HybridKVCacheManager(HybridVllmKVCacheManager):
             num_hits=num_hits,
             preempted=request.num_preemptions > 0,
         )
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The prefix-cache stats since the last call, or None without ``log_stats``."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
-
-    def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache if no block is in use; the stats then say so."""
-        if not super().reset_prefix_cache():
-            return False
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.reset = True
-        return True
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM (no cascade attention): ``[0]`` per group."""
-        return [0] * self.num_kv_cache_groups
-
-    def new_step_starts(self) -> None:
-        """Nothing to do without Mamba groups."""
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba only: ``{}``."""
-        return {}
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlockView]]:
-        """No copy-on-write with equal block sizes: ``([], [])``."""
-        return [], []
-
-    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """Mamba only: ``[]``."""
-        return []
-
-    def take_new_block_ids(self) -> list[int]:
-        """No zeroing without Mamba groups: ``[]``."""
-        return []
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """No zeroing without Mamba groups."""

@@ -237,8 +237,50 @@ class SingleTypeManager:
         return dict(self._manager.cached_block_counts())
 
 
-class KVCacheCoordinator:
+class CoordinatorCalls:
+    """The coordinator members that do not depend on the groups: they go to the
+    manager (``_manager``, set by the subclass), which runs every group."""
+
+    __slots__ = ()
+
+    _manager: Any
+
+    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlockView], ...]:
+        """The request's blocks, one sequence per group."""
+        return self._manager.get_blocks(request_id).blocks  # type: ignore[no-any-return]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks within ``num_computed_tokens`` tokens."""
+        self._manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Frees the request's blocks, group by group, each table tail first."""
+        self._manager.free(RequestId(request_id))
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlockView]:
+        """Forgets the request; returns its blocks, unfreed, group after group."""
+        return self._manager.pop_blocks_for_free(RequestId(request_id))  # type: ignore[no-any-return]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use."""
+        return self._manager.block_pool.reset_prefix_cache()  # type: ignore[no-any-return]
+
+    def new_step_starts(self) -> None:
+        """Nothing to do without Mamba groups."""
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Frees the blocks that left each group's window."""
+        self._manager.remove_skipped_blocks(
+            request_id, processed_computed_tokens, num_prompt_tokens
+        )
+
+
+class KVCacheCoordinator(CoordinatorCalls):
     """vLLM's coordinator members that leak out of its manager, for one group."""
+
+    _manager: KVCacheManager
 
     enable_partial_hash_hits = False
     full_attention_group_id = 0
@@ -278,34 +320,6 @@ class KVCacheCoordinator:
         self.eagle_group_ids: set[int] = set()
         self.drop_eagle_group_ids: set[int] = set()
 
-    def get_blocks(self, request_id: str) -> tuple[Sequence[KVCacheBlockView], ...]:
-        """The request's blocks, one sequence per group."""
-        return self._manager.get_blocks(request_id).blocks  # type: ignore[no-any-return]
-
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Caches the request's full blocks within ``num_computed_tokens`` tokens."""
-        self._manager.cache_blocks(request, num_computed_tokens)
-
-    def free(self, request_id: str) -> None:
-        """Frees the request's blocks, tail first."""
-        self._manager.free(RequestId(request_id))
-
-    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlockView]:
-        """Forgets the request; returns its blocks, unfreed, in table order."""
-        return self._manager.pop_blocks_for_free(RequestId(request_id))  # type: ignore[no-any-return]
-
-    def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache if no block is in use."""
-        return self._manager.block_pool.reset_prefix_cache()
-
-    def new_step_starts(self) -> None:
-        """Nothing to do for full attention."""
-
-    def remove_skipped_blocks(
-        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
-        """Full attention skips no tokens."""
-
     def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
         self,
         request_id: str,
@@ -323,7 +337,97 @@ class KVCacheCoordinator:
         return self._manager.num_blocks_to_allocate(request_id, num_tokens, hits)
 
 
-class KVCacheManager(VllmKVCacheManager):
+def event_metadata(config: ManagerArgs) -> tuple[tuple[str, int | None], ...]:
+    """vLLM's ``kv_cache_event_metadata``: per group, the ``kv_cache_spec_kind`` and the
+    sliding window its ``BlockStored`` events carry."""
+    return tuple(
+        (spec_kind(g.kv_cache_spec), get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+        for g in config.kv_cache_config.kv_cache_groups
+    )
+
+
+class ManagerSurface:
+    """vLLM's ``KVCacheManager`` members that kvblocks' managers answer alike: the
+    attributes vLLM's constructor sets, its stats accumulator, and the constants of
+    layouts without Mamba groups, zeroing or copy-on-write. Listed before the native
+    base, whose ``reset_prefix_cache`` it extends."""
+
+    prefix_cache_stats: PrefixCacheStats | None
+
+    def _set_vllm_attributes(self, config: ManagerArgs) -> None:
+        """The attributes vLLM's ``KVCacheManager.__init__`` sets that readers use."""
+        self.kv_cache_config = config.kv_cache_config
+        self.max_model_len = config.max_model_len
+        self.log_stats = config.log_stats
+        #: vLLM's accumulator, replaced by :meth:`make_prefix_cache_stats` (readers may
+        #: hold it while it grows, as with vLLM's manager).
+        self.prefix_cache_stats = PrefixCacheStats() if config.log_stats else None
+        self.enable_kv_cache_events = config.enable_kv_cache_events
+        self.use_eagle = False
+        self.metrics_collector = None
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.kv_cache_event_metadata = event_metadata(config)
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup may run for this request."""
+        enabled: bool = self.enable_caching  # type: ignore[attr-defined]
+        return enabled and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks`` plus ``hit_diverged`` (only Mamba layouts diverge)."""
+        found = self.get_computed_blocks(request, max_cache_hit_length)  # type: ignore[attr-defined]
+        return (*found, False)  # type: ignore[no-any-return]
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats since the last call (replaced by fresh ones), or None
+        without ``log_stats``."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache if no block is in use; the stats then say so."""
+        if not super().reset_prefix_cache():  # type: ignore[misc]
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM (no cascade attention): ``[0]`` per group."""
+        return [0] * self.num_kv_cache_groups  # type: ignore[attr-defined,no-any-return]
+
+    def new_step_starts(self) -> None:
+        """Nothing to do without Mamba groups."""
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba only: ``{}``."""
+        return {}
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlockView]]:
+        """No copy-on-write (no partial hits without Mamba groups): ``([], [])``."""
+        return [], []
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Mamba only: ``[]``."""
+        return []
+
+    def take_new_block_ids(self) -> list[int]:
+        """No zeroing without Mamba groups: ``[]``."""
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No zeroing without Mamba groups."""
+
+
+# The native base's make_prefix_cache_stats gives kvblocks' stats class; vLLM's
+# scheduler gets vLLM's, from ManagerSurface.
+class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``KVCacheManager`` for one full-attention KV cache group, with its
     state and decisions in Rust. Takes vLLM's constructor arguments
     (:class:`~kvblocks.vllm.config.ManagerArgs`); build it through
@@ -350,24 +454,12 @@ class KVCacheManager(VllmKVCacheManager):
             watermark=config.watermark,
             admission_statuses=list(ADMISSION_STATUSES),
             event_structs=vllm_events,
-            kv_cache_spec_kind=spec_kind(config.kv_cache_config.kv_cache_groups[0].kv_cache_spec),
+            kv_cache_spec_kind=event_metadata(config)[0][0],
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = ManagerArgs(*args, **kwargs)
-        self.kv_cache_config = config.kv_cache_config
-        self.max_model_len = config.max_model_len
-        self.log_stats = config.log_stats
-        #: vLLM's accumulator, replaced by :meth:`make_prefix_cache_stats` (readers may
-        #: hold it while it grows, as with vLLM's manager).
-        self.prefix_cache_stats = PrefixCacheStats() if config.log_stats else None
-        self.enable_kv_cache_events = config.enable_kv_cache_events
-        self.use_eagle = False
-        self.metrics_collector = None
-        self.mamba_shared_prefix_checkpoint = False
-        self.retained_hit_group_ids: tuple[int, ...] = ()
-        spec = config.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.kv_cache_event_metadata = ((spec_kind(spec), get_kv_cache_spec_sliding_window(spec)),)
+        self._set_vllm_attributes(config)
         pool = BlockPool(
             self,
             super().block_pool,
@@ -383,16 +475,6 @@ class KVCacheManager(VllmKVCacheManager):
         """vLLM's ``BlockPool`` members, on the manager's pool."""
         return self._vllm_block_pool
 
-    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        """Whether a local prefix-cache lookup may run for this request."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """``get_computed_blocks`` plus ``hit_diverged`` (never, with one group)."""
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
-
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:  # type: ignore[override]
         """Records one admission's lookup in :attr:`prefix_cache_stats` as vLLM does:
         nothing when the lookup did not run, preempted requests counted apart."""
@@ -403,53 +485,10 @@ class KVCacheManager(VllmKVCacheManager):
                 num_tokens=num_tokens, num_hits=num_hits, preempted=preempted
             )
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:  # type: ignore[override]
-        """The prefix-cache stats since the last call (replaced by fresh ones), or None
-        without ``log_stats``."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
-
-    def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache if no block is in use; the stats then say so."""
-        if not super().reset_prefix_cache():
-            return False
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.reset = True
-        return True
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM (no cascade attention): ``[0]``."""
-        return [0]
-
-    def new_step_starts(self) -> None:
-        """Nothing to do for full attention."""
-
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
         """Full attention skips no tokens."""
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba only: ``{}``."""
-        return {}
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlockView]]:
-        """No copy-on-write with one full-attention group: ``([], [])``."""
-        return [], []
-
-    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """Mamba only: ``[]``."""
-        return []
-
-    def take_new_block_ids(self) -> list[int]:
-        """No zeroing with one uniform full-attention group: ``[]``."""
-        return []
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """No zeroing with one uniform full-attention group."""
 
 
 def spec_kind(spec: KVCacheSpec) -> str:

@@ -35,7 +35,6 @@ use rustc_hash::FxHashMap;
 use crate::block_hash::BlockHash;
 use crate::error::{non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
-use crate::index::ix;
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
 use crate::request::{HashSource, RequestView};
 
@@ -917,7 +916,6 @@ impl KVCacheManager {
     /// [`Error::Invariant`] naming the first broken rule.
     pub fn check_invariants(&self) -> Result<()> {
         self.pool.check_invariants()?;
-        let mut holders = vec![0u32; ix(self.pool.num_blocks())];
         for (id, state) in &self.requests {
             // vLLM's own count may run past the table (see `cache_blocks`).
             if self.strict() && state.num_cached.is_some_and(|c| c > state.blocks.len()) {
@@ -925,29 +923,17 @@ impl KVCacheManager {
                     "request {id} has more cached blocks than table entries"
                 )));
             }
-            for &block in &state.blocks {
-                if block == NULL_BLOCK_ID {
-                    return Err(Error::Invariant(format!(
-                        "request {id} holds the null block"
-                    )));
-                }
-                let Some(count) = holders.get_mut(ix(block)) else {
-                    return Err(Error::Invariant(format!(
-                        "request {id} holds unknown block {block}"
-                    )));
-                };
-                *count += 1;
-            }
-        }
-        for (block, &count) in (0u32..).zip(&holders) {
-            if self.pool.ref_cnt_of(block) < count {
+            if state.blocks.contains(&NULL_BLOCK_ID) {
                 return Err(Error::Invariant(format!(
-                    "block {block} is in {count} block tables but has ref count {}",
-                    self.pool.ref_cnt_of(block)
+                    "request {id} holds the null block"
                 )));
             }
         }
-        Ok(())
+        self.pool.check_table_references(
+            self.requests
+                .iter()
+                .map(|(id, s)| (id.as_str(), s.blocks.as_slice())),
+        )
     }
 
     /// Lays out the tokens of an `allocate_slots` call as vLLM does:

@@ -416,6 +416,38 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Checks request block tables against the ref counts: each non-null entry is one
+    /// reference, so a block's ref count is at least the number of entries naming it.
+    ///
+    /// # Errors
+    /// [`Error::Invariant`] for an entry past the pool or a block referenced fewer
+    /// times than tables name it.
+    pub(crate) fn check_table_references<'a>(
+        &self,
+        tables: impl IntoIterator<Item = (&'a str, &'a [u32])>,
+    ) -> Result<()> {
+        let mut holders = vec![0u32; ix(self.num_blocks)];
+        for (id, table) in tables {
+            for &block in table.iter().filter(|&&b| b != NULL_BLOCK_ID) {
+                let Some(count) = holders.get_mut(ix(block)) else {
+                    return Err(Error::Invariant(format!(
+                        "request {id} holds unknown block {block}"
+                    )));
+                };
+                *count += 1;
+            }
+        }
+        for (block, &count) in (0u32..).zip(&holders) {
+            if self.ref_cnt_of(block) < count {
+                return Err(Error::Invariant(format!(
+                    "block {block} is in {count} block tables but has ref count {}",
+                    self.ref_cnt_of(block)
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The ref count of block `id` (trusted id).
     pub(crate) fn ref_cnt_of(&self, id: u32) -> u32 {
         self.ref_cnt[ix(id)]

@@ -437,9 +437,10 @@ impl HybridManager {
                     .to_owned(),
             ));
         }
-        let no_hits = vec![Vec::new(); self.groups.len()];
-        let hits = args.new_computed_blocks.unwrap_or(&no_hits);
-        if hits.len() != self.groups.len() {
+        // No hits (vLLM's shared empty result) is an empty list of groups: a group
+        // past the list has none, so a running request's step allocates nothing here.
+        let hits = args.new_computed_blocks.unwrap_or_default();
+        if args.new_computed_blocks.is_some() && hits.len() != self.groups.len() {
             return Err(Error::InvalidArgument(format!(
                 "new_computed_blocks has {} groups, not {}",
                 hits.len(),
@@ -577,8 +578,9 @@ impl HybridManager {
                 group.attention.skipped_tokens(local + external),
                 group.block_size,
             );
-            let kept = hits[gid]
-                .get(index(skipped).min(hits[gid].len())..)
+            let group_hits = hits.get(gid).map_or(&[][..], Vec::as_slice);
+            let kept = group_hits
+                .get(index(skipped).min(group_hits.len())..)
                 .unwrap_or_default();
             if caching {
                 self.pool.touch_ids(kept.iter().copied(), kept.len())?;
@@ -664,10 +666,16 @@ impl HybridManager {
             }
             _ => num_computed_tokens.max(0),
         };
-        let mut boundaries = vec![request.num_prompt_tokens - 1];
-        if request.shared_prefix_boundary != 0 {
-            boundaries.push(request.shared_prefix_boundary);
-        }
+        // The replay boundary, and the shared-prefix junction when there is one.
+        let both = [
+            request.num_prompt_tokens - 1,
+            request.shared_prefix_boundary,
+        ];
+        let boundaries = &both[..if request.shared_prefix_boundary == 0 {
+            1
+        } else {
+            2
+        }];
         let num_hashed = signed(view.block_hashes.num_hashes()) * self.hash_block_size;
         for gid in 0..self.groups.len() {
             let group = self.groups[gid];
@@ -683,7 +691,7 @@ impl HybridManager {
                 group.block_size,
                 self.scheduler_block_size,
                 self.retention_interval,
-                &boundaries,
+                boundaries,
             );
             let table = state.map_or(&[][..], GroupTable::blocks);
             if mask.is_some() && table.len() < full {
@@ -902,36 +910,20 @@ impl HybridManager {
     /// [`Error::Invariant`] naming the first broken rule.
     pub fn check_invariants(&self) -> Result<()> {
         self.pool.check_invariants()?;
-        let mut holders = vec![0u32; ix(self.pool.num_blocks())];
         for (id, tables) in &self.requests {
-            for (gid, table) in tables.iter().enumerate() {
-                for &block in table.blocks() {
-                    if block == NULL_BLOCK_ID {
-                        if self.groups[gid].attention.is_full() {
-                            return Err(Error::Invariant(format!(
-                                "request {id} holds the null block in full-attention group {gid}"
-                            )));
-                        }
-                        continue;
-                    }
-                    let Some(count) = holders.get_mut(ix(block)) else {
-                        return Err(Error::Invariant(format!(
-                            "request {id} holds unknown block {block}"
-                        )));
-                    };
-                    *count += 1;
+            for (gid, (group, table)) in self.groups.iter().zip(tables).enumerate() {
+                if group.attention.is_full() && table.blocks().contains(&NULL_BLOCK_ID) {
+                    return Err(Error::Invariant(format!(
+                        "request {id} holds the null block in full-attention group {gid}"
+                    )));
                 }
             }
         }
-        for (block, &count) in (0u32..).zip(&holders) {
-            if self.pool.ref_cnt_of(block) < count {
-                return Err(Error::Invariant(format!(
-                    "block {block} is in {count} block tables but has ref count {}",
-                    self.pool.ref_cnt_of(block)
-                )));
-            }
-        }
-        Ok(())
+        self.pool.check_table_references(
+            self.requests
+                .iter()
+                .flat_map(|(id, tables)| tables.iter().map(move |t| (id.as_str(), t.blocks()))),
+        )
     }
 }
 
