@@ -134,9 +134,11 @@ FAMILIES = BASE_FAMILIES + COMBINATION_FAMILIES
 #: * ``gemma3``: full attention + 2 to 5 sliding-window groups of one window (looked up
 #:   jointly), sometimes with 1 or 2 groups of a second window, in a drawn order;
 #: * ``llama4``: full attention + 1 to 3 chunked-local groups, in a drawn order;
-#: * ``gemma4``: full attention + 1 to 5 sliding-window groups whose blocks are twice the
-#:   full group's (the scheduler's block size is theirs, the hash block size the full
-#:   group's), as Gemma 4's larger full-attention heads make, in a drawn order.
+#: * ``gemma4``: full attention + 1 to 5 sliding-window groups, one kind's blocks twice
+#:   the other's (the scheduler's block size is the larger, the hash block size the
+#:   smaller): window blocks larger, as Gemma 4's larger full-attention heads make, or
+#:   full-attention blocks larger, where vLLM keys each prompt's partial tail block
+#:   under an extra key; in a drawn order.
 #:
 #: Each draws ``prefix_cache_retention_interval`` (0, vLLM's default, most often; None;
 #: or a multiple of the block size) and resends earlier prompts (so hits land on the
@@ -270,9 +272,13 @@ def _draw_layout(
         if rng.random() < 0.4:
             rng.shuffle(layout)
     elif family == "gemma4":
-        # Windows of 2 to 4 of the window group's blocks.
-        swa = GroupLayout("sliding_window", rng.randint(2, 4 * block_size), block_size)
-        layout = [swa] * rng.randint(1, 5) + [GroupLayout("full", None, block_size // 2)]
+        # One kind's blocks twice the other's, either way round; windows of up to 4
+        # scheduler blocks.
+        small, large = block_size // 2, block_size
+        wide_full = rng.random() < 0.5
+        window_bs, full_bs = (small, large) if wide_full else (large, small)
+        swa = GroupLayout("sliding_window", rng.randint(2, 4 * block_size), window_bs)
+        layout = [swa] * rng.randint(1, 5) + [GroupLayout("full", None, full_bs)]
         if rng.random() < 0.4:
             rng.shuffle(layout)
     else:  # llama4

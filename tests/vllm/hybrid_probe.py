@@ -3,13 +3,14 @@
 * :func:`counting` counts, while it is active, the paths vLLM's manager takes that only
   multi-group and local-attention layouts have: out-of-window frees, hits padded with null
   blocks, joint lookups where some groups hit and others miss, fixed-point searches of more
-  than one round, hits that retention 0 cut short, and block-level load failures refused
-  with several groups. It wraps methods of vLLM's classes (observing, never changing what
-  they return) and restores them on exit.
+  than one round, hits that retention 0 cut short, block-level load failures refused
+  with several groups, and partial prompt-tail keys registered and evicted. It wraps
+  methods of vLLM's classes (observing, never changing what they return) and restores
+  them on exit.
 * :data:`PLANTS` are faults planted in vLLM's classes while a run is active, to show that
   the differential comparison catches a manager that behaves a little differently: a dense
-  cache under retention 0, a missing out-of-window free, and the deferred frees' group
-  order reversed.
+  cache under retention 0, a missing out-of-window free, the deferred frees' group order
+  reversed, and no partial prompt-tail keys.
 
 Both patch classes, so every scheduler built while they are active is affected: the tests
 run the reference and the candidate one after the other, each under its own context.
@@ -49,6 +50,8 @@ COUNTERS = {
     "junction": "find_longest_cache_hit found an uncached common prefix",
     "retention0_miss": "retention 0, and the reconciled hit shorter than full attention's",
     "invalid_blocks_refused": "_handle_invalid_blocks raised RuntimeError, several groups",
+    "partial_tail_key": "BlockPool.cache_partial_block keyed a block anew (a partial tail)",
+    "partial_tail_evicted": "a block with a partial-tail key lost its keys to reuse",
 }
 
 
@@ -105,6 +108,7 @@ def counting() -> Iterator[Counter[str]]:
         _count_joint_lookups(patches, counts)
         _count_fixed_point(patches, counts, lookups)
         _count_refused_invalid_blocks(patches, counts)
+        _count_partial_tails(patches, counts)
         yield counts
 
 
@@ -238,6 +242,31 @@ def _count_refused_invalid_blocks(patches: _Patches, counts: Counter[str]) -> No
     patches.set(Scheduler, "_handle_invalid_blocks", handle)
 
 
+def _count_partial_tails(patches: _Patches, counts: Counter[str]) -> None:
+    inner_cache = BlockPool.cache_partial_block
+
+    def cache_partial_block(
+        self: BlockPool, request: Any, block: KVCacheBlock, *args: Any, **kwargs: Any
+    ) -> Any:
+        keys_before = len(self.cached_block_hashes_by_block.get(block.block_id, ()))
+        hash_before = block.block_hash
+        key = inner_cache(self, request, block, *args, **kwargs)
+        keys_after = len(self.cached_block_hashes_by_block.get(block.block_id, ()))
+        if key is not None and (keys_after > keys_before or block.block_hash != hash_before):
+            counts["partial_tail_key"] += 1
+        return key
+
+    inner_remove = BlockPool._remove_cached_block_hashes
+
+    def remove(self: BlockPool, block: KVCacheBlock) -> Any:
+        if self.cached_block_hashes_by_block.get(block.block_id):
+            counts["partial_tail_evicted"] += 1
+        return inner_remove(self, block)
+
+    patches.set(BlockPool, "cache_partial_block", cache_partial_block)
+    patches.set(BlockPool, "_remove_cached_block_hashes", remove)
+
+
 # --------------------------------------------------------------------------------------
 # Planted faults
 # --------------------------------------------------------------------------------------
@@ -273,11 +302,22 @@ def _reversed_deferred_free(patches: _Patches) -> None:
     patches.set(KVCacheCoordinator, "pop_blocks_for_free", pop_blocks_for_free)
 
 
+def _no_partial_tail(patches: _Patches) -> None:
+    """Full-attention groups with blocks larger than the hash block never key a
+    prompt's partial tail block."""
+
+    def cache_partial_tail_block(self: FullAttentionManager, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    patches.set(FullAttentionManager, "_cache_partial_tail_block", cache_partial_tail_block)
+
+
 #: Faults to plant in vLLM's classes, by name.
 PLANTS: dict[str, Callable[[_Patches], None]] = {
     "dense-retention": _dense_retention,
     "no-window-free": _no_window_free,
     "reversed-deferred-free": _reversed_deferred_free,
+    "no-partial-tail": _no_partial_tail,
 }
 
 

@@ -39,7 +39,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
     MLAAttentionSpec,
-    SlidingWindowSpec,
 )
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -122,13 +121,13 @@ KWARG_CASES: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
         },
         r"chunked-local",
     ),
-    "unequal-block-sizes": (
+    "chunked-local-blocks-below-the-scheduler's": (
         lambda: {
             "kv_cache_config": _kv_config(
                 FullAttentionSpec(
                     block_size=2 * BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
                 ),
-                _attention(SlidingWindowSpec, sliding_window=8),
+                _attention(ChunkedLocalAttentionSpec, attention_chunk_size=8),
             ),
             "scheduler_block_size": 2 * BLOCK_SIZE,
         },

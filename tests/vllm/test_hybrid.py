@@ -118,7 +118,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "chunked_null_hit_admitted",
         "joint_lookup_miss",
     ),
-    "gemma4": (*_EVERY_FAMILY, *_WINDOWS, *_GROUPS, "retention0_miss"),
+    "gemma4": (
+        *_EVERY_FAMILY,
+        *_WINDOWS,
+        *_GROUPS,
+        "retention0_miss",
+        "partial_tail_key",
+        "partial_tail_evicted",
+    ),
 }
 #: What the families reach together, besides every counter of ``hybrid_probe.COUNTERS``:
 #: request-level load failures under both policies.
@@ -173,7 +180,14 @@ def _can_show(plant: str, scn: harness.Scenario) -> bool:
     if plant == "reversed-deferred-free":
         # Deferred frees: overlapping batches with a connector that loads.
         return scn.is_async and scn.connector_policy is not None
+    if plant == "no-partial-tail":
+        return scn.enable_caching and _wide_full(scn)
     return True
+
+
+def _wide_full(scn: harness.Scenario) -> bool:
+    """Whether the full-attention group's blocks are larger than the hash block."""
+    return any(group.kind == "full" and group.block_size == scn.block_size for group in scn.layout)
 
 
 #: The family and engine whose scenarios each fault is planted in.
@@ -181,6 +195,7 @@ PLANT_FAMILIES = {
     "dense-retention": ("gpt-oss", "sync"),
     "no-window-free": ("gpt-oss", "sync"),
     "reversed-deferred-free": ("gemma3", "async"),
+    "no-partial-tail": ("gemma4", "sync"),
 }
 
 
@@ -188,7 +203,8 @@ PLANT_FAMILIES = {
 def test_comparison_catches_a_planted_fault(plant: str, tiny_model_dir: Path) -> None:
     """vLLM's own manager with a fault planted in it (only while the candidate runs)
     differs from vLLM's manager within a few scenarios: a dense cache under retention 0,
-    a missing out-of-window free, deferred frees in reversed group order."""
+    a missing out-of-window free, deferred frees in reversed group order, no partial
+    prompt-tail keys."""
     family, engine = PLANT_FAMILIES[plant]
     tried: list[str] = []
     for seed in range(PLANT_SEEDS):
@@ -224,6 +240,7 @@ def test_layouts_are_the_families() -> None:
     full_at: dict[str, set[int]] = {family: set() for family in harness.HYBRID_FAMILIES}
     windows_per_layout: Counter[int] = Counter()
     retentions: Counter[str] = Counter()
+    wide_full: set[bool] = set()
     for scenario_id in SCENARIO_IDS:
         scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
         kinds[scn.family].add(tuple(sorted({group.kind for group in scn.layout})))
@@ -231,6 +248,8 @@ def test_layouts_are_the_families() -> None:
             full_at[scn.family].add([group.kind for group in scn.layout].index("full"))
         if scn.family == "gemma3":
             windows_per_layout[len({group.window for group in scn.layout}) - 1] += 1
+        if scn.family == "gemma4":
+            wide_full.add(_wide_full(scn))
         assert scn.connector_hma or len(scn.layout) == 1, scenario_id
         windows = [group.window for group in scn.layout if group.window is not None]
         longest = max(len(spec.prompt) for spec in scn.requests)
@@ -251,3 +270,4 @@ def test_layouts_are_the_families() -> None:
     assert full_at["gpt-oss"] == {0, 1}, full_at
     assert all(len(full_at[family]) > 2 for family in ("gemma3", "llama4")), full_at
     assert set(windows_per_layout) == {1, 2}, windows_per_layout
+    assert wide_full == {True, False}, "gemma4 draws both block-size orientations"

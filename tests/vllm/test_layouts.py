@@ -1,8 +1,8 @@
 """Which KV cache layouts kvblocks manages inside vLLM: every layout of full,
 sliding-window and chunked-local attention that the model census finds (Llama, gpt-oss,
-Gemma 2/3/4, Cohere2, Llama 4, Mistral-7B-v0.1 style) gets kvblocks' manager; Mamba
-groups, unequal block sizes with a full-attention group larger than the hash block, and
-lone chunked-local groups get vLLM's own, with a reason."""
+Gemma 2/3/4 in either block-size orientation, Cohere2, Llama 4, Mistral-7B-v0.1 style)
+gets kvblocks' manager; Mamba groups and lone chunked-local groups get vLLM's own, with a
+reason."""
 
 from __future__ import annotations
 
@@ -81,6 +81,16 @@ MANAGED: dict[str, tuple[dict[str, Any], type[Any]]] = {
         ),
         HybridKVCacheManager,
     ),
+    "full blocks twice the window ones (partial-tail keys)": (
+        _kwargs(
+            _config(
+                _spec(SlidingWindowSpec, sliding_window=1024),
+                _spec(FullAttentionSpec, 2 * BLOCK),
+            ),
+            scheduler=2 * BLOCK,
+        ),
+        HybridKVCacheManager,
+    ),
 }
 
 FALLBACK: dict[str, tuple[dict[str, Any], str]] = {
@@ -97,16 +107,6 @@ FALLBACK: dict[str, tuple[dict[str, Any], str]] = {
             )
         ),
         "MambaSpec",
-    ),
-    "full blocks larger than the hash block": (
-        _kwargs(
-            _config(
-                _spec(SlidingWindowSpec, sliding_window=1024),
-                _spec(FullAttentionSpec, 2 * BLOCK),
-            ),
-            scheduler=2 * BLOCK,
-        ),
-        "block sizes",
     ),
     "chunked-local alone": (
         _kwargs(kv_cache_config((GroupLayout("chunked_local", 64),), 64, BLOCK)),

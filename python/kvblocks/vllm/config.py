@@ -118,14 +118,12 @@ class ManagerArgs:
 
     def _block_size_reason(self, spec: KVCacheSpec, *, single: bool) -> str | None:
         """Why a group's block size is outside what kvblocks manages: vLLM's own
-        divisibility rules, a full-attention group with blocks larger than the hash
-        block (vLLM then caches partial tails under extra keys), a chunked-local group
-        whose blocks are not the scheduler's, or one group of another size."""
+        divisibility rules, a chunked-local group whose blocks are not the scheduler's,
+        or one group of another size."""
         size, scheduler, hashed = spec.block_size, self.scheduler_block_size, self.hash_block_size
         if (
             scheduler % size
             or size % hashed
-            or (type(spec) in FULL_ATTENTION_SPECS and size != hashed)
             or (type(spec) is ChunkedLocalAttentionSpec and size != scheduler)
             or (single and not size == scheduler == hashed)
         ):

@@ -6,6 +6,7 @@
 //! * [`free_queue`] — the index-linked LRU free list with head/tail sentinels.
 //! * [`block_hash`] — fixed-size block hash values.
 //! * [`prefix_map`] — hash + group id → cached blocks, duplicates in insertion order.
+//! * [`partial_keys`] — vLLM's partial prompt-tail keys beside the prefix map.
 //! * [`pool`] — the block pool: ref counts, allocation, frees, touch, caching, eviction.
 //! * [`hashing`] — vLLM-identical block hashing (pickle / CBOR serialisation, SHA-256, xxh3).
 //! * [`manager`] — the request-level KV cache manager for one full-attention group.
@@ -25,6 +26,7 @@ pub mod hybrid;
 mod index;
 pub mod manager;
 pub mod new_blocks;
+pub mod partial_keys;
 pub mod pool;
 pub mod prefix_map;
 pub mod request;

@@ -5,7 +5,8 @@
 //! * the [`FreeQueue`]: exactly the non-null blocks with ref count 0, head = next to
 //!   be allocated;
 //! * the [`PrefixMap`]: hash + group id of every cached block, duplicates in
-//!   insertion order.
+//!   insertion order;
+//! * the [`PartialKeys`]: what vLLM's partial prompt-tail entries add to it.
 //!
 //! Block 0 is the null block: never free, never handed out, never hashed, ref count
 //! never tracked. Once events are enabled ([`BlockPool::enable_events`]) the pool
@@ -18,7 +19,9 @@
 //! Invariants (checked by [`BlockPool::check_invariants`]):
 //! 1. the null block has ref count 0, is not queued and not cached;
 //! 2. a non-null block is in the free queue iff its ref count is 0;
-//! 3. the free queue and the prefix map are internally consistent.
+//! 3. the free queue and the prefix map are internally consistent;
+//! 4. a block with partial entries is cached, its secondary keys distinct from its
+//!    primary key and from each other.
 
 use std::ops::Range;
 
@@ -27,6 +30,7 @@ use crate::error::{group_id, non_negative, positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::free_queue::{FreeQueue, MAX_CAPACITY};
 use crate::index::{ix, try_filled_vec};
+use crate::partial_keys::{Key, PartialKeys};
 use crate::prefix_map::PrefixMap;
 
 /// The id of the null block.
@@ -59,6 +63,7 @@ pub struct BlockPool {
     ref_cnt: Vec<u32>,
     free_queue: FreeQueue,
     prefix: PrefixMap,
+    partial: PartialKeys,
     /// Reused buffer for the blocks `free_blocks` prepends, so frees do not allocate.
     scratch: Vec<u32>,
     /// KV cache events since they were last taken (nothing while disabled).
@@ -93,6 +98,7 @@ impl BlockPool {
             ref_cnt: try_filled_vec(0, ix(n))?,
             free_queue,
             prefix: PrefixMap::new(n)?,
+            partial: PartialKeys::default(),
             scratch: Vec::new(),
             events: EventLog::default(),
         })
@@ -153,7 +159,7 @@ impl BlockPool {
                 break;
             };
             if self.enable_caching {
-                self.evict_cached(id);
+                self.evict_cached(id, None);
             }
             // Queued blocks have ref count 0 (invariant 2).
             self.ref_cnt[ix(id)] = 1;
@@ -311,7 +317,7 @@ impl BlockPool {
         let mut removed = Vec::new();
         for id in block_ids.iter().filter_map(|&id| u32::try_from(id).ok()) {
             if id != NULL_BLOCK_ID {
-                removed.extend(self.evict_cached(id));
+                self.evict_cached(id, Some(&mut removed));
             }
         }
         Ok(removed)
@@ -324,6 +330,7 @@ impl BlockPool {
             return false;
         }
         self.prefix.clear();
+        self.partial.clear();
         self.events.record_cleared();
         true
     }
@@ -380,6 +387,7 @@ impl BlockPool {
         (self.ref_cnt.capacity() + self.scratch.capacity()) * std::mem::size_of::<u32>()
             + self.free_queue.heap_bytes()
             + self.prefix.heap_bytes()
+            + self.partial.heap_bytes()
             + self.events.heap_bytes()
     }
 
@@ -412,6 +420,17 @@ impl BlockPool {
         }
         if let Err(e) = self.prefix.check() {
             return fail(format!("prefix cache: {e}"));
+        }
+        for (id, secondary) in self.partial.blocks() {
+            let Some((hash, group)) = self.prefix.key_of(id) else {
+                return fail(format!("block {id} has partial entries but no hash"));
+            };
+            let primary = (*hash, group);
+            for (i, key) in secondary.iter().enumerate() {
+                if *key == primary || secondary[..i].contains(key) {
+                    return fail(format!("block {id} has a secondary key twice"));
+                }
+            }
         }
         Ok(())
     }
@@ -563,17 +582,87 @@ impl BlockPool {
         &mut self.events
     }
 
-    /// Drops block `id`'s (trusted) prefix-cache entry, if it has one, and records its
-    /// `BlockRemoved` (vLLM's `_maybe_evict_cached_block`).
-    fn evict_cached(&mut self, id: u32) -> Option<(BlockHash, u32)> {
-        let (hash, group) = self.prefix.remove(id)?;
-        if let Some(config) = self.events.config() {
-            // Only the router-grade option needs the lookup.
-            let still_cached =
-                config.last_copy_removal && self.prefix.first(&hash, group).is_some();
-            self.events.record_removed(hash, group, still_cached);
+    /// vLLM's `cache_full_blocks` insertions in vLLM's order of effects, for the
+    /// hybrid manager: a block whose primary key is a partial entry first loses its
+    /// keys, each recorded as removed (vLLM's promotion). Null blocks are skipped.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyHashed`] for a block with a full key, where vLLM's assertion
+    /// fails: the blocks before it stay cached, as in vLLM.
+    pub(crate) fn cache_ids_promoting(
+        &mut self,
+        blocks: &[u32],
+        hashes: &[BlockHash],
+        group: u32,
+    ) -> Result<()> {
+        for (&id, hash) in blocks.iter().zip(hashes) {
+            if id == NULL_BLOCK_ID {
+                continue;
+            }
+            if self.prefix.is_cached(id) && self.partial.primary_tokens(id).is_some() {
+                self.evict_cached(id, None);
+            }
+            if !self.prefix.insert(id, hash, group) {
+                return Err(Error::AlreadyHashed { block_id: id });
+            }
         }
-        Some((hash, group))
+        Ok(())
+    }
+
+    /// vLLM's `cache_partial_block` (without replacement) on a trusted non-null block:
+    /// registers `key` for the prefix of `tokens` tokens ending inside block `id`.
+    /// A block without a hash takes it as its primary key; one whose primary key is a
+    /// shorter partial entry loses its keys first (each recorded as removed); one with
+    /// a longer key keeps it and adds `key` beside it. Returns whether the block did
+    /// not have `key` yet (vLLM then records a `BlockStored` for it).
+    pub(crate) fn cache_partial_key(&mut self, id: u32, key: Key, tokens: i64) -> bool {
+        let (hash, group) = key;
+        let primary = self.prefix.key_of(id).map(|(h, g)| (*h, g));
+        if primary == Some(key) || self.partial.has_secondary(id, &key) {
+            return false;
+        }
+        if primary.is_some() && self.partial.primary_tokens(id).is_some_and(|t| t < tokens) {
+            self.evict_cached(id, None);
+        }
+        if self.prefix.is_cached(id) {
+            self.partial.add_secondary(id, key);
+        } else if self.prefix.insert(id, &hash, group) {
+            self.partial.set_primary_tokens(id, tokens);
+        }
+        true
+    }
+
+    /// The prefix length block `id`'s primary key stands for when it is a partial
+    /// entry (vLLM's `block_hash_num_tokens`; a full key's is the block's end).
+    pub(crate) fn partial_hash_tokens(&self, id: u32) -> Option<i64> {
+        self.partial.primary_tokens(id)
+    }
+
+    /// Drops block `id`'s (trusted) prefix-cache keys, its primary key first, records
+    /// a `BlockRemoved` per key and appends the keys to `removed` (vLLM's
+    /// `_maybe_evict_cached_block`).
+    fn evict_cached(&mut self, id: u32, mut removed: Option<&mut Vec<Key>>) {
+        // Partial entries exist only beside a primary key.
+        let Some(primary) = self.prefix.remove(id) else {
+            return;
+        };
+        let secondary = if self.partial.is_empty() {
+            Vec::new()
+        } else {
+            self.partial.take(id)
+        };
+        for (hash, group) in std::iter::once(primary).chain(secondary) {
+            if let Some(config) = self.events.config() {
+                // Only the router-grade option needs the lookup.
+                let still_cached = config.last_copy_removal
+                    && (self.prefix.first(&hash, group).is_some()
+                        || self.partial.any_secondary(&(hash, group)));
+                self.events.record_removed(hash, group, still_cached);
+            }
+            if let Some(out) = removed.as_deref_mut() {
+                out.push((hash, group));
+            }
+        }
     }
 
     /// Whether block `id` is cached under some key (false for an id out of range).
@@ -637,6 +726,29 @@ pub(crate) mod corruption_tests {
             }
             other => panic!("expected an invariant error naming {fragment:?}, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn partial_entries_of_an_uncached_block() {
+        let mut pool = valid_pool();
+        pool.partial.add_secondary(3, (h(9), 0));
+        assert_caught(&pool, "block 3 has partial entries but no hash");
+        let mut pool = valid_pool();
+        pool.partial.set_primary_tokens(4, 12);
+        assert_caught(&pool, "block 4 has partial entries but no hash");
+    }
+
+    #[test]
+    fn secondary_key_repeated() {
+        let mut pool = valid_pool();
+        pool.partial.add_secondary(1, (h(1), 0));
+        assert_caught(&pool, "block 1 has a secondary key twice");
+        let mut pool = valid_pool();
+        assert!(pool.cache_partial_key(1, (h(9), 0), 12));
+        assert!(!pool.cache_partial_key(1, (h(9), 0), 12), "already keyed");
+        pool.check_invariants().unwrap();
+        pool.partial.add_secondary(1, (h(9), 0));
+        assert_caught(&pool, "block 1 has a secondary key twice");
     }
 
     #[test]

@@ -3,6 +3,9 @@
 //! 24 blocks, vLLM's default retention interval 0. The expected tables, hits and
 //! boundaries are those vLLM's `HybridKVCacheCoordinator` produced for it.
 
+mod common;
+
+use kvblocks_core::events::EventRecord;
 use kvblocks_core::hybrid::{
     Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots,
 };
@@ -371,4 +374,215 @@ fn estimated_cached_tokens_is_the_least_over_groups() {
     a.step(&mut mgr, 8, None, 0);
     // Window group: block 3 (tokens 12..16) hashed, the boundary tail; full: 16.
     assert_eq!(mgr.estimate_cached_tokens("A"), 16);
+}
+
+/// A request over `source` with `computed` tokens.
+fn partial_request<'a>(
+    id: &'a str,
+    source: &'a common::Source,
+    prompt: i64,
+    computed: i64,
+) -> HybridRequest<'a, common::Source> {
+    HybridRequest {
+        view: RequestView {
+            request_id: id,
+            num_tokens: i64::try_from(source.tokens.len()).unwrap(),
+            num_computed_tokens: computed,
+            block_hashes: source,
+        },
+        num_prompt_tokens: prompt,
+        num_in_flight_tokens: 0,
+        shared_prefix_boundary: 0,
+    }
+}
+
+/// One record: kind, hashes, parent, tokens, block size, group.
+type Event = (
+    char,
+    Vec<BlockHash>,
+    Option<BlockHash>,
+    Vec<i64>,
+    usize,
+    u32,
+);
+
+fn event_summary(mgr: &HybridManager) -> Vec<Event> {
+    let log = mgr.events();
+    log.records()
+        .iter()
+        .map(|record| match record {
+            EventRecord::Stored(s) => (
+                'S',
+                log.stored_hashes(s).to_vec(),
+                s.parent,
+                log.stored_tokens(s).to_vec(),
+                s.block_size,
+                s.group,
+            ),
+            EventRecord::Removed { hash, group } => ('R', vec![*hash], None, vec![], 0, *group),
+            EventRecord::AllCleared => ('C', vec![], None, vec![], 0, 0),
+        })
+        .collect()
+}
+
+/// A full-attention group with blocks of 8 beside a window group of 4 (hash block 4,
+/// scheduler block 8), events on; 16 tokens and their hashes; the first `n` of them
+/// as a request's source. A 14-token prompt's last hash boundary is 12 (floor(13 / 4)
+/// * 4), inside block 1 (12 // 8): vLLM keys that block under hash 2 (tokens 0..12).
+struct PartialTail {
+    mgr: HybridManager,
+    tokens: Vec<i64>,
+    all: Vec<BlockHash>,
+}
+
+impl PartialTail {
+    fn new() -> Self {
+        let window = Attention::SlidingWindow {
+            window: 16,
+            extra_retained: 0,
+        };
+        let group = |attention, block_size, lookup_class| GroupSpec {
+            attention,
+            block_size,
+            admission_cap: None,
+            lookup_class,
+        };
+        let mut mgr = HybridManager::new(HybridConfig {
+            num_blocks: 40,
+            scheduler_block_size: 8,
+            hash_block_size: 4,
+            groups: vec![group(Attention::Full, 8, 0), group(window, 4, 1)],
+            enable_caching: true,
+            max_model_len: 256,
+            retention_interval: None,
+        })
+        .unwrap();
+        mgr.enable_kv_cache_events();
+        let tokens: Vec<i64> = (100..116).collect();
+        let all = hashes(&tokens);
+        Self { mgr, tokens, all }
+    }
+
+    fn source(&self, n: usize) -> common::Source {
+        common::Source {
+            hashes: self.all[..n / 4].to_vec(),
+            tokens: self.tokens[..n].to_vec(),
+        }
+    }
+
+    fn allocate(&mut self, id: &str, source: &common::Source, computed: i64, n: i64) {
+        let request = partial_request(id, source, 14, computed);
+        let slots = HybridSlots {
+            num_new_tokens: n,
+            ..HybridSlots::default()
+        };
+        self.mgr.allocate_slots(&request, &slots).unwrap().unwrap();
+        self.mgr.check_invariants().unwrap();
+    }
+
+    /// The full group's block `i` of request `id` and the hash it is cached under.
+    fn full_block(&self, id: &str, i: usize) -> (u32, Option<BlockHash>) {
+        let block = self.mgr.get_block_ids(id)[0][i];
+        let info = self.mgr.block_pool().block(block.into()).unwrap();
+        (block, info.block_hash)
+    }
+
+    /// The tail's own `BlockStored`: one hash block of 4 tokens.
+    fn tail_event(&self) -> Event {
+        let (all, tokens) = (&self.all, &self.tokens);
+        (
+            'S',
+            vec![all[2]],
+            Some(all[1]),
+            tokens[8..12].to_vec(),
+            4,
+            0,
+        )
+    }
+
+    /// Block 1's own `BlockStored` of 8 tokens.
+    fn full_event(&self) -> Event {
+        let (all, tokens) = (&self.all, &self.tokens);
+        (
+            'S',
+            vec![all[3]],
+            Some(all[1]),
+            tokens[8..16].to_vec(),
+            8,
+            0,
+        )
+    }
+}
+
+/// Caching at 8 tokens stops short of the boundary; at 16, block 1 is full and gets
+/// hash 2 beside hash 3, with its own event; caching again adds nothing.
+#[test]
+fn a_partial_tail_is_keyed_beside_the_full_key() {
+    let mut t = PartialTail::new();
+    let (a14, a16) = (t.source(14), t.source(16));
+    t.allocate("A", &a14, 0, 14);
+    assert!(!event_summary(&t.mgr).contains(&t.tail_event()));
+    t.mgr.clear_events();
+    t.allocate("A", &a16, 14, 2);
+    let events = event_summary(&t.mgr);
+    assert_eq!(events[..2], [t.full_event(), t.tail_event()]);
+    assert_eq!(
+        t.full_block("A", 1).1,
+        Some(t.all[3]),
+        "the full key stays primary"
+    );
+    t.mgr.clear_events();
+    t.mgr
+        .cache_blocks(&partial_request("A", &a16, 14, 16), 16)
+        .unwrap();
+    assert!(event_summary(&t.mgr).is_empty());
+}
+
+/// Cached to 16 tokens by a direct call (as vLLM's scheduler makes after a KV load)
+/// while only the 3 prompt hashes exist, block 1's only key is the partial one; when
+/// the hashes catch up vLLM removes it, stores the full key, then keys the tail again.
+#[test]
+fn a_partial_key_is_promoted_when_the_block_fills() {
+    let mut t = PartialTail::new();
+    let (b14, b16) = (t.source(14), t.source(16));
+    t.allocate("B", &b14, 0, 16);
+    t.mgr.clear_events();
+    t.mgr
+        .cache_blocks(&partial_request("B", &b14, 14, 16), 16)
+        .unwrap();
+    t.mgr.check_invariants().unwrap();
+    assert_eq!(t.full_block("B", 1).1, Some(t.all[2]));
+    assert!(event_summary(&t.mgr).contains(&t.tail_event()));
+    t.mgr.clear_events();
+    t.mgr
+        .cache_blocks(&partial_request("B", &b16, 14, 16), 16)
+        .unwrap();
+    t.mgr.check_invariants().unwrap();
+    let events = event_summary(&t.mgr);
+    let removed = ('R', vec![t.all[2]], None, vec![], 0, 0);
+    assert_eq!(events[..3], [removed, t.full_event(), t.tail_event()]);
+    assert_eq!(events[3].5, 1, "then the window group's own BlockStored");
+    assert_eq!(t.full_block("B", 1).1, Some(t.all[3]));
+}
+
+/// Reusing a block with a partial key beside its full one removes both keys, the
+/// primary first.
+#[test]
+fn eviction_removes_every_key_of_a_block() {
+    let mut t = PartialTail::new();
+    let (a14, a16) = (t.source(14), t.source(16));
+    t.allocate("A", &a14, 0, 14);
+    t.allocate("A", &a16, 14, 2);
+    t.mgr.free("A").unwrap();
+    t.mgr.clear_events();
+    let free = i64::try_from(t.mgr.block_pool().num_free_blocks()).unwrap();
+    t.mgr.block_pool_mut().get_new_blocks(free).unwrap();
+    t.mgr.check_invariants().unwrap();
+    let removed: Vec<(BlockHash, u32)> = event_summary(&t.mgr)
+        .into_iter()
+        .map(|e| (e.1[0], e.5))
+        .collect();
+    let full: Vec<BlockHash> = removed.iter().filter(|k| k.1 == 0).map(|k| k.0).collect();
+    // vLLM frees a table tail first: block 1, then block 0.
+    assert_eq!(full, [t.all[3], t.all[2], t.all[1]]);
 }

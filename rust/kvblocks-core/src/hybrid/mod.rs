@@ -7,9 +7,10 @@
 //! table holds the null block where blocks left the window. Groups may have different
 //! block sizes: requests are hashed at the hash block size, which divides every
 //! group's, and a group reads the hash of its block's last hash block; hits and
-//! caching align to the scheduler block size, which every group's divides. (vLLM
-//! also caches a full-attention group's partial prompt tail under an extra key when
-//! its blocks are larger than the hash block: that layout is not managed here.) Unlike the library's
+//! caching align to the scheduler block size, which every group's divides. A
+//! full-attention group whose blocks are larger than the hash block also keys the
+//! block the prompt's last hash boundary falls in under that boundary's hash (vLLM's
+//! partial tail, [`crate::partial_keys`]). Unlike the library's
 //! [`KVCacheManager`](crate::manager::KVCacheManager), this manager follows vLLM's
 //! order of effects, not validate-then-mutate: `allocate_slots` frees out-of-window
 //! blocks before it may return `None`, as vLLM's does, and an assertion vLLM makes
@@ -658,7 +659,6 @@ impl HybridManager {
         if !self.pool.enable_caching() {
             return Ok(());
         }
-        let view = &request.view;
         let tokens = match self.coordinator {
             Coordinator::Hybrid => {
                 floor_div(num_computed_tokens, self.scheduler_block_size)
@@ -676,76 +676,162 @@ impl HybridManager {
         } else {
             2
         }];
-        let num_hashed = signed(view.block_hashes.num_hashes()) * self.hash_block_size;
         for gid in 0..self.groups.len() {
-            let group = self.groups[gid];
-            let state = self.requests.get(view.request_id).and_then(|t| t.get(gid));
-            let num_cached = state.and_then(|t| t.num_cached).unwrap_or(0);
-            let full = index(floor_div(tokens.min(num_hashed), group.block_size));
-            if num_cached >= full {
+            self.cache_group_blocks(request, gid, tokens, boundaries)?;
+            if self.groups[gid].attention.is_full()
+                && self.groups[gid].block_size != self.hash_block_size
+            {
+                self.cache_partial_tail(request, gid, tokens)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One group's part of [`Self::cache_blocks`] (vLLM's base `cache_blocks`): its full
+    /// blocks within `tokens` that a later hit can reach.
+    fn cache_group_blocks<H: HashSource + ?Sized>(
+        &mut self,
+        request: &HybridRequest<'_, H>,
+        gid: usize,
+        tokens: i64,
+        boundaries: &[i64],
+    ) -> Result<()> {
+        let view = &request.view;
+        let num_hashed = signed(view.block_hashes.num_hashes()) * self.hash_block_size;
+        let group = self.groups[gid];
+        let state = self.requests.get(view.request_id).and_then(|t| t.get(gid));
+        let num_cached = state.and_then(|t| t.num_cached).unwrap_or(0);
+        let full = index(floor_div(tokens.min(num_hashed), group.block_size));
+        if num_cached >= full {
+            return Ok(());
+        }
+        let mask = group.attention.reachable_mask(
+            num_cached,
+            full,
+            group.block_size,
+            self.scheduler_block_size,
+            self.retention_interval,
+            boundaries,
+        );
+        let table = state.map_or(&[][..], GroupTable::blocks);
+        if mask.is_some() && table.len() < full {
+            return Err(Error::Assertion(format!(
+                "request {}: {full} full blocks but a table of {}",
+                view.request_id,
+                table.len()
+            )));
+        }
+        let group_hashes = self.view(view.block_hashes, gid);
+        let mut ids = Vec::new();
+        let mut hashes = Vec::new();
+        let mut positions = Vec::new();
+        for i in num_cached..full {
+            let Some(&block) = table.get(i) else {
+                // vLLM slices the table, so a count past it caches what is there;
+                // its event then indexes past the table.
+                if self.pool.events().is_enabled() {
+                    self.pool.cache_ids_promoting(&ids, &hashes, gid_u32(gid))?;
+                    return Err(Error::Index("list index out of range".to_owned()));
+                }
+                break;
+            };
+            if block == NULL_BLOCK_ID || mask.as_ref().is_some_and(|m| !m[i - num_cached]) {
                 continue;
             }
-            let mask = group.attention.reachable_mask(
-                num_cached,
-                full,
-                group.block_size,
-                self.scheduler_block_size,
-                self.retention_interval,
-                boundaries,
-            );
-            let table = state.map_or(&[][..], GroupTable::blocks);
-            if mask.is_some() && table.len() < full {
-                return Err(Error::Assertion(format!(
-                    "request {}: {full} full blocks but a table of {}",
-                    view.request_id,
-                    table.len()
-                )));
-            }
-            let group_hashes = self.view(view.block_hashes, gid);
-            let mut ids = Vec::new();
-            let mut hashes = Vec::new();
-            let mut positions = Vec::new();
-            for i in num_cached..full {
-                let Some(&block) = table.get(i) else {
-                    // vLLM slices the table, so a count past it caches what is there;
-                    // its event then indexes past the table.
-                    if self.pool.events().is_enabled() {
-                        self.pool.cache_ids(&ids, &hashes, gid_u32(gid))?;
-                        return Err(Error::Index("list index out of range".to_owned()));
-                    }
-                    break;
-                };
-                if block == NULL_BLOCK_ID || mask.as_ref().is_some_and(|m| !m[i - num_cached]) {
-                    continue;
-                }
-                ids.push(block);
-                hashes.push(group_hashes.hash(i)?);
-                positions.push(i);
-            }
-            let event = if self.pool.events().is_enabled() {
-                let parent = match num_cached.checked_sub(1) {
-                    Some(i) => Some(group_hashes.hash(i)?),
-                    None => None,
-                };
-                Some((parent, token_ids(view, num_cached, full, group.block_size)?))
-            } else {
-                None
+            ids.push(block);
+            hashes.push(group_hashes.hash(i)?);
+            positions.push(i);
+        }
+        let event = if self.pool.events().is_enabled() {
+            let parent = match num_cached.checked_sub(1) {
+                Some(i) => Some(group_hashes.hash(i)?),
+                None => None,
             };
-            self.pool.cache_ids(&ids, &hashes, gid_u32(gid))?;
-            if let Some((parent, tokens)) = event {
-                self.pool.events_mut().record_stored_at(
-                    &hashes,
-                    &positions,
-                    parent,
-                    &tokens,
-                    num_cached..full,
-                    gid_u32(gid),
-                    index(group.block_size),
-                );
-            }
-            let table = &mut tables_of(&mut self.requests, view.request_id, self.groups.len())[gid];
-            table.entry();
-            table.num_cached = Some(full);
+            Some((parent, token_ids(view, num_cached, full, group.block_size)?))
+        } else {
+            None
+        };
+        self.pool.cache_ids_promoting(&ids, &hashes, gid_u32(gid))?;
+        if let Some((parent, tokens)) = event {
+            self.pool.events_mut().record_stored_at(
+                &hashes,
+                &positions,
+                parent,
+                &tokens,
+                num_cached..full,
+                gid_u32(gid),
+                index(group.block_size),
+            );
+        }
+        let table = &mut tables_of(&mut self.requests, view.request_id, self.groups.len())[gid];
+        table.entry();
+        table.num_cached = Some(full);
+        Ok(())
+    }
+
+    /// vLLM's `FullAttentionManager._cache_partial_tail_block`, for a full-attention
+    /// group whose blocks are larger than the hash block: once `tokens` reach the
+    /// prompt's last hash boundary (before its last token) and that boundary falls
+    /// inside a block, the block is keyed under the boundary's hash too, with its own
+    /// `BlockStored` of one hash block.
+    ///
+    /// # Errors
+    /// [`Error::Assertion`] and [`Error::Index`] where vLLM's code fails on a request
+    /// without prompt tokens; the sources' errors.
+    fn cache_partial_tail<H: HashSource + ?Sized>(
+        &mut self,
+        request: &HybridRequest<'_, H>,
+        gid: usize,
+        tokens: i64,
+    ) -> Result<()> {
+        let view = &request.view;
+        let hash_bs = self.hash_block_size;
+        let block_size = self.groups[gid].block_size;
+        let num_hashes = signed(view.block_hashes.num_hashes());
+        let boundary = floor_div(request.num_prompt_tokens - 1, hash_bs).min(num_hashes) * hash_bs;
+        if boundary == 0 || boundary > tokens || boundary.rem_euclid(block_size) == 0 {
+            return Ok(());
+        }
+        let num_groups = self.groups.len();
+        let table = tables_of(&mut self.requests, view.request_id, num_groups)[gid].entry();
+        let at = floor_div(boundary, block_size);
+        let block = match usize::try_from(at) {
+            Ok(i) if i >= table.len() => return Ok(()),
+            Ok(i) => table[i],
+            // A negative boundary (no prompt tokens) indexes from the end, as in Python.
+            Err(_) => *table
+                .last()
+                .ok_or_else(|| Error::Index("list index out of range".to_owned()))?,
+        };
+        if block == NULL_BLOCK_ID {
+            return Ok(());
+        }
+        let num_hash_blocks = boundary / hash_bs;
+        if num_hash_blocks <= 0 {
+            return Err(Error::Assertion(format!(
+                "request {}: a partial block of {boundary} tokens",
+                view.request_id
+            )));
+        }
+        let last = index(num_hash_blocks - 1);
+        let key = view.block_hashes.hash(last)?;
+        let stored = self
+            .pool
+            .cache_partial_key(block, (key, gid_u32(gid)), boundary);
+        if stored && self.pool.events().is_enabled() {
+            let parent = match last.checked_sub(1) {
+                Some(i) => Some(view.block_hashes.hash(i)?),
+                None => None,
+            };
+            let tokens = token_ids(view, last, last + 1, hash_bs)?;
+            self.pool.events_mut().record_stored_sized(
+                &[key],
+                parent,
+                &tokens,
+                last,
+                gid_u32(gid),
+                index(hash_bs),
+            );
         }
         Ok(())
     }
@@ -852,8 +938,9 @@ impl HybridManager {
             .collect()
     }
 
-    /// vLLM's `estimate_cached_tokens`: per group, the end of the last hashed block of
-    /// the request's table; the smallest over groups.
+    /// vLLM's `estimate_cached_tokens`: per group, the prefix the last hashed block of
+    /// the request's table stands for (its end, or a partial entry's boundary); the
+    /// smallest over groups.
     pub fn estimate_cached_tokens(&self, request_id: &str) -> i64 {
         self.get_block_ids(request_id)
             .iter()
@@ -862,7 +949,11 @@ impl HybridManager {
                 table
                     .iter()
                     .rposition(|&b| b != NULL_BLOCK_ID && self.pool.block_is_cached(b))
-                    .map_or(0, |i| signed(i + 1) * group.block_size)
+                    .map_or(0, |i| {
+                        self.pool
+                            .partial_hash_tokens(table[i])
+                            .unwrap_or(signed(i + 1) * group.block_size)
+                    })
             })
             .min()
             .unwrap_or(0)
