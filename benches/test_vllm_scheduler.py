@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from kvblocks import bench
 from kvblocks.bench import BenchResult, vllm_scheduler
-from kvblocks.bench.workloads import Workload, WorkloadSpec, all_workloads
+from kvblocks.bench.workload import Workload, WorkloadSpec
+from kvblocks.bench.workloads import all_workloads
 
 pytest.importorskip("vllm", reason="the vllm_scheduler group needs vLLM ('kvblocks[vllm]')")
 

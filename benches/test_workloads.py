@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 from kvblocks import BACKEND_MODULES, load_backend
-from kvblocks.bench.workloads import WorkloadSpec, all_workloads
+from kvblocks.bench.workload import WorkloadSpec
+from kvblocks.bench.workloads import all_workloads
 from pytest_benchmark.fixture import BenchmarkFixture
 
 QUICK = os.environ.get("KVBLOCKS_BENCH_FULL") != "1"

@@ -9,7 +9,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 from kvblocks import bench
 from kvblocks.bench import BenchResult, markdown_table, vllm_runner, write_outputs
-from kvblocks.bench.workloads import Workload, WorkloadSpec, manager_tables
+from kvblocks.bench.workload import Workload, WorkloadSpec
+from kvblocks.bench.workloads import manager_tables
 
 
 def _result(name: str, *, vllm_s: list[float], has_vllm: bool) -> BenchResult:

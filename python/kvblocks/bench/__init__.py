@@ -27,7 +27,8 @@ from typing import Any, TextIO
 from kvblocks import load_backend
 from kvblocks._output import format_seconds, headless_pyplot, progress_bar
 from kvblocks.bench import vllm_runner, vllm_scheduler
-from kvblocks.bench.workloads import Workload, WorkloadSpec, all_workloads
+from kvblocks.bench.workload import Workload, WorkloadSpec
+from kvblocks.bench.workloads import all_workloads
 
 __all__ = ["BenchResult", "run", "vllm_status"]
 

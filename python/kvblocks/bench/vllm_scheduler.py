@@ -74,7 +74,7 @@ from types import ModuleType
 from typing import Any
 
 from kvblocks.bench import vllm_runner
-from kvblocks.bench.workloads import Workload, WorkloadSpec, _spec
+from kvblocks.bench.workload import Workload, WorkloadSpec, deferred
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -858,14 +858,14 @@ def workload_specs(quick: bool) -> list[WorkloadSpec]:
         return []
     steps = 32 if quick else 128
     sizes: Sequence[int] = (256,) if quick else KV_LOAD_SIZES
-    out = [_spec(f"vllm_scheduler_{n}", vllm_scheduler, n, steps=steps) for n in SIZES]
+    out = [deferred(f"vllm_scheduler_{n}", vllm_scheduler, n, steps=steps) for n in SIZES]
     out += [
-        _spec(f"vllm_scheduler_kv_load_{n}", vllm_scheduler, n, kv_load=True, steps=steps)
+        deferred(f"vllm_scheduler_kv_load_{n}", vllm_scheduler, n, kv_load=True, steps=steps)
         for n in sizes
     ]
     n = HYBRID_QUICK_SIZE if quick else HYBRID_SIZE
     out += [
-        _spec(f"vllm_scheduler_{layout.key}_{n}", vllm_scheduler_hybrid, layout, n, steps=steps)
+        deferred(f"vllm_scheduler_{layout.key}_{n}", vllm_scheduler_hybrid, layout, n, steps=steps)
         for layout in HYBRID_LAYOUTS
     ]
     return out

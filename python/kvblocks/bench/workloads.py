@@ -15,52 +15,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvblocks.bench import vllm_runner
+from kvblocks.bench import vllm_runner, vllm_scheduler
+from kvblocks.bench.workload import Workload, WorkloadSpec, deferred
 from kvblocks.constants import HASH_ALGORITHMS
 
-__all__ = ["Workload", "WorkloadSpec", "all_workloads", "churn_loop"]
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """One benchmark workload.
-
-    Attributes:
-        name: Unique name (``kvblocks bench --workload NAME``).
-        group: The pytest-benchmark group; workloads of one group are compared.
-        description: One line for tables.
-        ops: Operations per run, to report time per operation.
-        op_name: What one operation is ("step", "block", "request", ...).
-        setup: ``setup(backend) -> state``: a fresh state, not timed.
-        run: ``run(backend, state) -> result``: the timed part.
-        check: ``check(state, result)``: raises if the run went wrong, not timed.
-        vllm_setup: ``vllm_setup() -> state`` for the same workload on vLLM's own code
-            (:mod:`kvblocks.bench.vllm_runner`), not timed; None when vLLM has no
-            counterpart.
-        vllm_run: ``vllm_run(state) -> result``: the timed part on vLLM.
-        has_reference: Whether the reference backend runs it (False: the native column
-            only, against vLLM's; ``setup`` and ``run`` then ignore their backend).
-        self_timed: Whether ``run`` and ``vllm_run`` time themselves and return
-            ``(seconds, result)``: for a timed region narrower than the whole call.
-    """
-
-    name: str
-    group: str
-    description: str
-    ops: int
-    op_name: str
-    setup: Callable[[ModuleType], Any]
-    run: Callable[[ModuleType, Any], Any]
-    check: Callable[[Any, Any], None]
-    vllm_setup: Callable[[], Any] | None = None
-    vllm_run: Callable[[Any], Any] | None = None
-    has_reference: bool = True
-    self_timed: bool = False
-
-    @property
-    def has_vllm(self) -> bool:
-        """Whether the workload also runs on vLLM's own code."""
-        return self.vllm_setup is not None and self.vllm_run is not None
+__all__ = ["all_workloads", "churn_loop"]
 
 
 # --------------------------------------------------------------------------- pool churn
@@ -557,49 +516,18 @@ def pool_churn(num_blocks: int = 65_536, num_steps: int = 3_000, seed: int = 0) 
     )
 
 
-@dataclass(frozen=True, slots=True)
-class WorkloadSpec:
-    """A workload before its scripts and data exist.
-
-    Workloads are built one at a time, right before they are measured, and dropped
-    after: holding every workload's data at once (tens of millions of Python objects)
-    slows the ones measured next by up to 20 %, the native backend most.
-
-    Attributes:
-        name: The name of the workload ``build`` makes.
-        build: Builds the workload (seeded: the same scripts every time).
-    """
-
-    name: str
-    build: Callable[[], Workload]
-
-
-def _spec(
-    spec_name: str, factory: Callable[..., Workload], /, *args: Any, **kwargs: Any
-) -> WorkloadSpec:
-    """``factory(*args, **kwargs)``, deferred, checked to build the workload named."""
-
-    def build() -> Workload:
-        workload = factory(*args, **kwargs)
-        if workload.name != spec_name:
-            raise AssertionError(f"workload spec {spec_name!r} built {workload.name!r}")
-        return workload
-
-    return WorkloadSpec(spec_name, build)
-
-
 def all_workloads(quick: bool = False) -> list[WorkloadSpec]:
     """Every workload, in report order, not built yet. ``quick`` shrinks the slow ones."""
     scaling: Sequence[int] = (4_096, 1_048_576) if quick else (4_096, 262_144, 1_048_576)
     native_input = "numpy" if _importable("numpy") else "lists"
-    out = [_spec("pool_churn_65536", pool_churn)]
-    out += [_spec(f"pool_churn_{n}", pool_churn, n, num_steps=2_000) for n in scaling]
-    out.append(_spec("manager_chat", manager_chat, num_sessions=64 if quick else 256))
+    out = [deferred("pool_churn_65536", pool_churn)]
+    out += [deferred(f"pool_churn_{n}", pool_churn, n, num_steps=2_000) for n in scaling]
+    out.append(deferred("manager_chat", manager_chat, num_sessions=64 if quick else 256))
     if _importable("msgspec"):
         # A pool small enough that cached blocks are reallocated (BlockRemoved events).
         sessions = 32 if quick else 128
         out += [
-            _spec(
+            deferred(
                 f"chat_events_{mode}",
                 manager_chat,
                 sessions,
@@ -617,16 +545,14 @@ def all_workloads(quick: bool = False) -> list[WorkloadSpec]:
         vias.remove("request_numpy")
     for via in vias:
         out += [
-            _spec(f"{_HASH_VIAS[via][0]}_{algo}", hashing, algo, via=via)
+            deferred(f"{_HASH_VIAS[via][0]}_{algo}", hashing, algo, via=via)
             for algo in HASH_ALGORITHMS
         ]
     inputs = [native_input, "lists"] if native_input == "numpy" else [native_input]
-    out.append(_spec(f"rollback_1000_{native_input}", rollback, 1_000, native_input))
-    out += [_spec(f"rollback_10000_{i}", rollback, 10_000, i) for i in inputs]
+    out.append(deferred(f"rollback_1000_{native_input}", rollback, 1_000, native_input))
+    out += [deferred(f"rollback_10000_{i}", rollback, 10_000, i) for i in inputs]
     n = 256 if quick else 1_024
-    out.append(_spec(f"rollback_manager_{n}", rollback_manager, n))
+    out.append(deferred(f"rollback_manager_{n}", rollback_manager, n))
     # vLLM's Scheduler with kvblocks' manager and with its own: only when both import.
-    from kvblocks.bench import vllm_scheduler  # noqa: PLC0415 (cycle: bench.vllm_scheduler imports this module)
-
     out += vllm_scheduler.workload_specs(quick)
     return out

@@ -1,0 +1,36 @@
+# The developer loop: `make dev` once (again after changing Rust code), then `make test`,
+# `make lint` and `make copies` while you work, and `make ci` (.ci/run) before you push.
+# The commands are .ci/run's (docs/ci.md), so a target that passes here passes there.
+
+# .ci/run activates .venv; putting its bin first on PATH runs the same commands without that.
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+
+.PHONY: dev test lint copies ci
+
+.venv/bin/python:
+	python3 -m venv .venv
+	python -m pip install --quiet --upgrade pip
+
+# Builds the native module (maturin), so run it again after changing the Rust code.
+dev: .venv/bin/python
+	python -m pip install --quiet -e '.[dev]'
+
+# The core crate's tests, then both backends' suite. tests/vllm needs vLLM's venv: without
+# vLLM its conftest reports each module as skipped.
+test:
+	cargo test -p kvblocks-core --locked
+	python -m pytest -q
+
+lint:
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+	ruff check python tests benches examples tools
+	ruff format --check python tests benches examples tools
+	mypy --strict
+
+copies:
+	python tools/api_copies.py --check
+
+# Removes and rebuilds .venv, then runs every check, vLLM's real Scheduler included.
+ci:
+	bash .ci/run
