@@ -79,6 +79,47 @@ def test_kvblocks_scheduler_matches_vllms(kv_load: bool) -> None:
     assert result.vllm_ratio is not None and result.vllm_ratio > 0
 
 
+def test_decode_load_times_only_decodes() -> None:
+    """After the warm-up every request decodes: each timed step schedules one token for
+    each of the ``N`` requests, and nothing arrives."""
+    workload = vllm_scheduler.vllm_scheduler(16, load="decode", steps=8, kvblocks_cls=_stock())
+    assert workload.name == "vllm_scheduler_decode_16"
+    driver = workload.vllm_setup()  # type: ignore[misc]
+    assert not driver.scheduler.cache_config.enable_prefix_caching
+    first = len(driver.scheduled)
+    _, record = driver.run(8)
+    assert all(sorted(n for _, n in step) == [1] * 16 for step in driver.scheduled[first:])
+    assert record.mean_tokens == 16
+    workload.check(driver, record)
+
+
+def test_long_prompt_load_prefills_beside_the_decodes() -> None:
+    """``N`` requests decode while long prompts arrive, one at a time, and are prefilled
+    in chunks beside them (and hashed: prefix caching is on)."""
+    workload = vllm_scheduler.vllm_scheduler(16, load="long_prompt", steps=8, kvblocks_cls=_stock())
+    driver = workload.vllm_setup()  # type: ignore[misc]
+    assert driver.scheduler.cache_config.enable_prefix_caching
+    first = len(driver.scheduled)
+    _, record = driver.run(8)
+    prefill = [n for step in driver.scheduled[first:] for _, n in step if n > 1]
+    assert sum(prefill) >= vllm_scheduler.LONG_PROMPT_TOKENS
+    assert record.mean_tokens > 16
+    workload.check(driver, record)
+
+
+def test_a_load_is_named() -> None:
+    with pytest.raises(ValueError, match="load must be"):
+        vllm_scheduler.vllm_scheduler(16, load="prefill")
+
+
+@needs_kvblocks_vllm
+@pytest.mark.parametrize("load", ["decode", "long_prompt"])
+def test_kvblocks_scheduler_matches_vllms_on_the_decode_loads(load: str) -> None:
+    result = _run(vllm_scheduler.vllm_scheduler(32, load=load, steps=8))
+    assert result.vllm_error is None
+    assert result.vllm_ratio is not None and result.vllm_ratio > 0
+
+
 @needs_kvblocks_vllm
 def test_group_is_registered() -> None:
     names = [spec.name for spec in all_workloads(quick=True)]
@@ -88,6 +129,9 @@ def test_group_is_registered() -> None:
         "vllm_scheduler_256",
         "vllm_scheduler_1024",
         "vllm_scheduler_kv_load_256",
+        "vllm_scheduler_decode_128",
+        "vllm_scheduler_decode_256",
+        "vllm_scheduler_long_prompt_64",
         "vllm_scheduler_gpt_oss_64",
         "vllm_scheduler_gemma3_64",
     ]
@@ -95,8 +139,11 @@ def test_group_is_registered() -> None:
     assert len(full) == (
         len(vllm_scheduler.SIZES)
         + len(vllm_scheduler.KV_LOAD_SIZES)
+        + len(vllm_scheduler.DECODE_SIZES)
+        + 1
         + len(vllm_scheduler.HYBRID_LAYOUTS)
     )
+    assert "vllm_scheduler_long_prompt_256" in full
     assert full[-2:] == ["vllm_scheduler_gpt_oss_256", "vllm_scheduler_gemma3_256"]
 
 

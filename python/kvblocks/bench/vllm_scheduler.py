@@ -78,11 +78,15 @@ from kvblocks.bench.workload import Workload, WorkloadSpec, deferred
 
 __all__ = [
     "CONNECTOR_CLASS",
+    "DECODE_SIZES",
     "GROUP",
     "HYBRID_LAYOUTS",
     "HYBRID_QUICK_SIZE",
     "HYBRID_SIZE",
     "KV_LOAD_SIZES",
+    "LONG_PROMPT_QUICK_SIZE",
+    "LONG_PROMPT_SIZE",
+    "LONG_PROMPT_TOKENS",
     "SIZES",
     "HybridLayout",
     "HybridManagers",
@@ -114,6 +118,18 @@ _VOCAB = 1_000
 _SYSTEM_TOKENS = 1_024
 _SUFFIX_TOKENS = (64, 2_048)
 _OUTPUT_TOKENS = (32, 256)
+#: The decode loads: each decoding request's prompt and output lengths (none finishes
+#: within a round: warm-up and timed steps stay below the output length).
+_DECODE_PROMPT_TOKENS = 512
+_DECODE_OUTPUT_TOKENS = 1_024
+#: Decode loads: ``N`` decoding, prefix caching off (as in vLLM's own step benchmarks).
+DECODE_SIZES = (128, 256)
+#: The long-prompt load: ``N`` decoding while prompts of this many tokens arrive ...
+LONG_PROMPT_TOKENS = 8_192
+#: ... at this ``N`` ...
+LONG_PROMPT_SIZE = 256
+#: ... and with ``--quick``.
+LONG_PROMPT_QUICK_SIZE = 64
 #: Warm-up stops once this fraction of ``N`` requests have been replaced.
 _WARMUP_REPLACED = 0.5
 #: A warm-up that has not reached its steady state after this many steps is a bug.
@@ -166,12 +182,28 @@ def available() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _Script:
-    """The requests, by index: each one's tokens and output length depend only on its
-    index and the seed, so both schedulers get the same ones in the same order."""
+    """The mixed load: the requests, by index. Each one's tokens and output length
+    depend only on its index and the seed, so both schedulers get the same ones in the
+    same order.
+
+    Attributes:
+        num_requests: ``N``, the requests kept in the system.
+        seed: Seeds the requests.
+        system: The shared system prompt.
+        prefix_caching: Whether the scheduler caches prefixes.
+        max_model_len: The model's context length.
+    """
 
     num_requests: int
     seed: int
     system: list[int]
+    prefix_caching: bool = True
+    max_model_len: int = _MAX_MODEL_LEN
+
+    @property
+    def in_system(self) -> int:
+        """Unfinished requests (running or waiting) kept at every step."""
+        return self.num_requests
 
     def request(self, index: int) -> tuple[list[int], int]:
         """``(prompt token ids, max output tokens)`` of request ``index``."""
@@ -179,28 +211,81 @@ class _Script:
         suffix = [rng.randrange(_VOCAB) for _ in range(rng.randint(*_SUFFIX_TOKENS))]
         return self.system + suffix, rng.randint(*_OUTPUT_TOKENS)
 
+    def warmed_up(self, num_added: int, scheduler: Any) -> bool:
+        """Whether ``_WARMUP_REPLACED * N`` requests have replaced finished ones."""
+        return num_added >= self.num_requests + int(self.num_requests * _WARMUP_REPLACED)
+
 
 def _script(num_requests: int, seed: int) -> _Script:
     rng = random.Random(seed)
     return _Script(num_requests, seed, [rng.randrange(_VOCAB) for _ in range(_SYSTEM_TOKENS)])
 
 
-@functools.lru_cache(maxsize=1)
-def _model_dir() -> str:
-    """A directory holding only a tiny Llama ``config.json``: the model vLLM's configs need."""
+@dataclass(frozen=True, slots=True)
+class _DecodeScript:
+    """The decode loads: ``N`` requests (:data:`_DECODE_PROMPT_TOKENS` random tokens
+    each) that all decode through the timed steps, none finishing. With
+    ``long_prompt``, one more request at a time: a prompt of that many random tokens
+    that arrives, is prefilled in chunks beside the decodes and finishes after one
+    token, replaced by the next.
+
+    Attributes:
+        num_requests: ``N``, the decoding requests.
+        seed: Seeds the requests.
+        long_prompt: The arriving prompts' length (0: none arrive).
+        prefix_caching: Whether the scheduler caches prefixes.
+        max_model_len: The model's context length.
+    """
+
+    num_requests: int
+    seed: int
+    long_prompt: int = 0
+    prefix_caching: bool = False
+    max_model_len: int = _MAX_MODEL_LEN
+
+    @property
+    def in_system(self) -> int:
+        """Unfinished requests (running or waiting) kept at every step."""
+        return self.num_requests + (1 if self.long_prompt else 0)
+
+    def request(self, index: int) -> tuple[list[int], int]:
+        """``(prompt token ids, max output tokens)`` of request ``index``: the decoding
+        ones first, then the arriving long prompts."""
+        rng = random.Random(self.seed * 1_000_003 + index)
+        if index < self.num_requests:
+            prompt = [rng.randrange(_VOCAB) for _ in range(_DECODE_PROMPT_TOKENS)]
+            return prompt, _DECODE_OUTPUT_TOKENS
+        return [rng.randrange(_VOCAB) for _ in range(self.long_prompt)], 1
+
+    def warmed_up(self, num_added: int, scheduler: Any) -> bool:
+        """Whether every decoding request has sampled its first token."""
+        requests = scheduler.requests
+        return num_added >= self.in_system and all(
+            requests[f"r{i}"].num_output_tokens > 0 for i in range(self.num_requests)
+        )
+
+
+@functools.lru_cache(maxsize=2)
+def _model_dir(max_model_len: int) -> str:
+    """A directory holding only a tiny Llama ``config.json`` whose context holds
+    ``max_model_len`` tokens: the model vLLM's configs need."""
     from kvblocks.vllm.cpu import write_config_only_model  # noqa: PLC0415 (kvblocks.vllm imports vLLM)
 
     path = Path(tempfile.mkdtemp(prefix="kvblocks-bench-model-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return str(write_config_only_model(path))
+    return str(write_config_only_model(path, max(max_model_len, _MAX_MODEL_LEN)))
 
 
 def _build_scheduler(
-    scheduler_cls: Any, num_requests: int, kv_load: bool, groups: Sequence[Any] | None = None
+    scheduler_cls: Any,
+    script: _Script | _DecodeScript,
+    kv_load: bool,
+    groups: Sequence[Any] | None = None,
 ) -> Any:
-    """A ``scheduler_cls`` (vLLM's ``Scheduler`` or a subclass) for the bench's load: one
-    full-attention group of :data:`_NUM_BLOCKS` blocks, or with ``groups`` (a hybrid
+    """A ``scheduler_cls`` (vLLM's ``Scheduler`` or a subclass) for ``script``'s load:
+    one full-attention group of :data:`_NUM_BLOCKS` blocks, or with ``groups`` (a hybrid
     row's ``GroupLayout``s) one group each, in a pool of :func:`hybrid_num_blocks`."""
+    num_requests = script.num_requests
     config = importlib.import_module("vllm.config")
     interface = importlib.import_module("vllm.v1.kv_cache_interface")
     structured = importlib.import_module("vllm.v1.structured_output")
@@ -208,19 +293,21 @@ def _build_scheduler(
     scheduler_config = config.SchedulerConfig(
         max_num_seqs=max(num_requests, 256),
         max_num_batched_tokens=_MAX_BATCHED_TOKENS,
-        max_model_len=_MAX_MODEL_LEN,
+        max_model_len=script.max_model_len,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
         async_scheduling=False,
     )
     model_config = config.ModelConfig(
-        model=_model_dir(),
+        model=_model_dir(script.max_model_len),
         skip_tokenizer_init=True,
         dtype="float32",
         seed=0,
-        max_model_len=_MAX_MODEL_LEN,
+        max_model_len=script.max_model_len,
     )
-    cache_config = config.CacheConfig(block_size=_BLOCK_SIZE, enable_prefix_caching=True)
+    cache_config = config.CacheConfig(
+        block_size=_BLOCK_SIZE, enable_prefix_caching=script.prefix_caching
+    )
     kv_transfer_config = None
     if kv_load:
         kv_transfer_config = config.KVTransferConfig(
@@ -385,7 +472,7 @@ class _Driver:
     def __init__(
         self,
         scheduler_cls: Any,
-        script: _Script,
+        script: _Script | _DecodeScript,
         kv_load: bool,
         groups: Sequence[Any] | None = None,
     ) -> None:
@@ -404,12 +491,12 @@ class _Driver:
         self._tokens: dict[str, int] = {}
         self.failed_loads = 0
         self.scheduled: list[tuple[tuple[str, int], ...]] = []
-        self.scheduler = _build_scheduler(scheduler_cls, script.num_requests, kv_load, groups)
+        self.scheduler = _build_scheduler(scheduler_cls, script, kv_load, groups)
 
     def _top_up(self) -> None:
-        """Adds requests until ``N`` are unfinished (running or waiting)."""
+        """Adds requests until the script's count are unfinished (running or waiting)."""
         scheduler = self.scheduler
-        while scheduler.get_num_unfinished_requests() < self._script.num_requests:
+        while scheduler.get_num_unfinished_requests() < self._script.in_system:
             prompt, max_tokens = self._script.request(self._next)
             request_id = f"r{self._next}"
             self._tokens[request_id] = (self._next * 31 + 7) % _VOCAB
@@ -464,9 +551,8 @@ class _Driver:
         return (scheduled - start) + (end - updating)
 
     def warm_up(self) -> None:
-        """Steps until ``_WARMUP_REPLACED * N`` requests have replaced finished ones."""
-        target = self._script.num_requests + int(self._script.num_requests * _WARMUP_REPLACED)
-        while self._next < target:
+        """Steps until the script's steady state (``warmed_up``)."""
+        while not self._script.warmed_up(self._next, self.scheduler):
             if len(self.scheduled) >= _MAX_WARMUP_STEPS:
                 raise AssertionError(f"no steady state after {_MAX_WARMUP_STEPS} steps")
             self.step()
@@ -533,6 +619,7 @@ def vllm_scheduler(
     num_requests: int,
     *,
     kv_load: bool = False,
+    load: str = "mixed",
     steps: int = 128,
     seed: int = 0,
     kvblocks_cls: Any = None,
@@ -542,6 +629,10 @@ def vllm_scheduler(
     Args:
         num_requests: Requests kept in the system (``N``).
         kv_load: Add the fake KV connector: sync loads and injected load failures.
+        load: ``"mixed"`` (arrivals and decodes, prefix caching on), ``"decode"`` (``N``
+            requests decoding, prefix caching off) or ``"long_prompt"`` (``N`` decoding
+            while :data:`LONG_PROMPT_TOKENS`-token prompts arrive one at a time, prefix
+            caching on).
         steps: Steps timed per round, after the warm-up.
         seed: Seeds the requests.
         kvblocks_cls: The scheduler class in the native column; None:
@@ -553,8 +644,31 @@ def vllm_scheduler(
         ``(seconds in schedule() + update_from_output(), RoundRecord)``. It has no
         reference column: the kvblocks scheduler uses kvblocks' default backend.
     """
-    script = _script(num_requests, seed)
-    variant = "_kv_load" if kv_load else ""
+    script: _Script | _DecodeScript
+    if load == "mixed":
+        script = _script(num_requests, seed)
+        shape = f"{num_requests:,} requests (shared 1,024-token prompt + 64-2,048, 32-256 out)"
+    elif load == "decode":
+        script = _DecodeScript(num_requests, seed)
+        shape = (
+            f"{num_requests:,} requests decoding ({_DECODE_PROMPT_TOKENS}-token prompts), "
+            "prefix caching off"
+        )
+    elif load == "long_prompt":
+        script = _DecodeScript(
+            num_requests,
+            seed,
+            long_prompt=LONG_PROMPT_TOKENS,
+            prefix_caching=True,
+            max_model_len=2 * LONG_PROMPT_TOKENS,
+        )
+        shape = (
+            f"{num_requests:,} requests decoding while {LONG_PROMPT_TOKENS:,}-token prompts "
+            "arrive one at a time"
+        )
+    else:
+        raise ValueError(f"load must be 'mixed', 'decode' or 'long_prompt', not {load!r}")
+    variant = ("_kv_load" if kv_load else "") + ("" if load == "mixed" else f"_{load}")
     name = f"vllm_scheduler{variant}_{num_requests}"
     agreement = _Agreement(name)
 
@@ -584,15 +698,18 @@ def vllm_scheduler(
     def check(driver: _Driver, record: RoundRecord) -> None:
         assert record.steps == steps and record.mean_tokens > 0
         assert not kv_load or record.failed_loads > 0, "no load failure injected"
+        if load == "decode":
+            assert record.mean_tokens == num_requests, "a timed step was not all decodes"
+        if load == "long_prompt":
+            assert record.mean_tokens > num_requests, "no prompt was prefilled"
 
     what = ", KV connector: sync loads, load failures (recompute)" if kv_load else ", no connector"
     return Workload(
         name=name,
         group="vllm scheduler",
         description=(
-            f"vLLM Scheduler step, {num_requests:,} requests (shared 1,024-token prompt + "
-            f"64-2,048, 32-256 out), {_NUM_BLOCKS:,} blocks{what}: kvblocks' manager "
-            f"(native) vs vLLM's"
+            f"vLLM Scheduler step, {shape}, {_NUM_BLOCKS:,} blocks{what}: kvblocks' "
+            "manager (native) vs vLLM's"
         ),
         ops=steps,
         op_name="step",
@@ -757,7 +874,7 @@ def hybrid_managers(
     groups = layout.groups()
     logging.getLogger("vllm").setLevel(logging.ERROR)
     sides = [
-        type(_build_scheduler(cls, num_requests, False, groups).kv_cache_manager)
+        type(_build_scheduler(cls, _script(num_requests, 0), False, groups).kv_cache_manager)
         for cls in (native, _stock_scheduler())
     ]
     gc.collect()
@@ -848,11 +965,13 @@ def vllm_scheduler_hybrid(
 def workload_specs(quick: bool) -> list[WorkloadSpec]:
     """The group's workloads, not built yet; none when :func:`available` is False.
 
-    ``quick`` times fewer steps per round (32 instead of 128) and runs the connector
-    variant at 256 requests only. The hybrid rows (:data:`HYBRID_LAYOUTS`) come last:
-    at :data:`HYBRID_SIZE` requests, or :data:`HYBRID_QUICK_SIZE` with ``quick`` (vLLM's
-    step on them costs up to three times the single-group row's, and a round's cost
-    grows with the requests).
+    ``quick`` times fewer steps per round (32 instead of 128), runs the connector
+    variant at 256 requests only and the long-prompt row at
+    :data:`LONG_PROMPT_QUICK_SIZE`. The decode rows (:data:`DECODE_SIZES`) and the
+    long-prompt row follow the mixed ones. The hybrid rows (:data:`HYBRID_LAYOUTS`)
+    come last: at :data:`HYBRID_SIZE` requests, or :data:`HYBRID_QUICK_SIZE` with
+    ``quick`` (vLLM's step on them costs up to three times the single-group row's, and
+    a round's cost grows with the requests).
     """
     if not available():
         return []
@@ -863,6 +982,16 @@ def workload_specs(quick: bool) -> list[WorkloadSpec]:
         deferred(f"vllm_scheduler_kv_load_{n}", vllm_scheduler, n, kv_load=True, steps=steps)
         for n in sizes
     ]
+    out += [
+        deferred(f"vllm_scheduler_decode_{n}", vllm_scheduler, n, load="decode", steps=steps)
+        for n in DECODE_SIZES
+    ]
+    n = LONG_PROMPT_QUICK_SIZE if quick else LONG_PROMPT_SIZE
+    out.append(
+        deferred(
+            f"vllm_scheduler_long_prompt_{n}", vllm_scheduler, n, load="long_prompt", steps=steps
+        )
+    )
     n = HYBRID_QUICK_SIZE if quick else HYBRID_SIZE
     out += [
         deferred(f"vllm_scheduler_{layout.key}_{n}", vllm_scheduler_hybrid, layout, n, steps=steps)

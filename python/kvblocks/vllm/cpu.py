@@ -43,10 +43,12 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 }
 
 
-def write_config_only_model(directory: Path) -> Path:
-    """Writes :data:`TINY_LLAMA_CONFIG` as ``directory/config.json``; returns ``directory``."""
+def write_config_only_model(directory: Path, max_position_embeddings: int = 4096) -> Path:
+    """Writes :data:`TINY_LLAMA_CONFIG` as ``directory/config.json``, with a longer context
+    when asked (vLLM refuses a ``max_model_len`` beyond it); returns ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG), encoding="utf-8")
+    config = {**TINY_LLAMA_CONFIG, "max_position_embeddings": max_position_embeddings}
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return directory
 
 
