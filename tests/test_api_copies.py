@@ -6,27 +6,18 @@ carries them, each on its own item.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from kvblocks import reference
-
-REPO = Path(__file__).resolve().parents[1]
+from repo_tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def api_copies() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("api_copies", REPO / "tools" / "api_copies.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("api_copies")
 
 
 def test_generated_copies_are_current(api_copies: ModuleType) -> None:

@@ -5,24 +5,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_tools import load_tool
 
 
 def _tool() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "import_cycles", REPO / "tools" / "import_cycles.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("import_cycles")
 
 
 def test_a_cycle_is_found() -> None:
