@@ -93,17 +93,21 @@ def test_decode_load_times_only_decodes() -> None:
     workload.check(driver, record)
 
 
-def test_long_prompt_load_prefills_beside_the_decodes() -> None:
+@pytest.mark.parametrize("num_requests", [16, 256])
+def test_long_prompt_load_prefills_beside_the_decodes(num_requests: int) -> None:
     """``N`` requests decode while long prompts arrive, one at a time, and are prefilled
-    in chunks beside them (and hashed: prefix caching is on)."""
-    workload = vllm_scheduler.vllm_scheduler(16, load="long_prompt", steps=8, kvblocks_cls=_stock())
+    in chunks beside them (and hashed: prefix caching is on), also at ``N`` = 256, where
+    the arriving request is the 257th sequence."""
+    workload = vllm_scheduler.vllm_scheduler(
+        num_requests, load="long_prompt", steps=8, kvblocks_cls=_stock()
+    )
     driver = workload.vllm_setup()  # type: ignore[misc]
     assert driver.scheduler.cache_config.enable_prefix_caching
     first = len(driver.scheduled)
     _, record = driver.run(8)
     prefill = [n for step in driver.scheduled[first:] for _, n in step if n > 1]
     assert sum(prefill) >= vllm_scheduler.LONG_PROMPT_TOKENS
-    assert record.mean_tokens > 16
+    assert record.mean_tokens > num_requests
     workload.check(driver, record)
 
 

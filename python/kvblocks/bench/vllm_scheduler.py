@@ -285,13 +285,12 @@ def _build_scheduler(
     """A ``scheduler_cls`` (vLLM's ``Scheduler`` or a subclass) for ``script``'s load:
     one full-attention group of :data:`_NUM_BLOCKS` blocks, or with ``groups`` (a hybrid
     row's ``GroupLayout``s) one group each, in a pool of :func:`hybrid_num_blocks`."""
-    num_requests = script.num_requests
     config = importlib.import_module("vllm.config")
     interface = importlib.import_module("vllm.v1.kv_cache_interface")
     structured = importlib.import_module("vllm.v1.structured_output")
     torch = importlib.import_module("torch")
     scheduler_config = config.SchedulerConfig(
-        max_num_seqs=max(num_requests, 256),
+        max_num_seqs=max(script.in_system, 256),
         max_num_batched_tokens=_MAX_BATCHED_TOKENS,
         max_model_len=script.max_model_len,
         is_encoder_decoder=False,
@@ -323,7 +322,7 @@ def _build_scheduler(
         kv_transfer_config=kv_transfer_config,
     )
     if groups is not None:
-        num_blocks = hybrid_num_blocks(groups, num_requests)
+        num_blocks = hybrid_num_blocks(groups, script.num_requests)
         cpu = importlib.import_module("kvblocks.vllm.cpu")
         cache_config.num_gpu_blocks = num_blocks
         return scheduler_cls(
