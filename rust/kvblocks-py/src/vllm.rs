@@ -12,6 +12,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use hashbrown::HashMap;
+use kvblocks_core::events::EventLog;
 use kvblocks_core::manager::{Lookup, SlotRequest, Tolerance};
 use kvblocks_core::pool::{BlockInfo, BlockPool, NULL_BLOCK_ID};
 use kvblocks_core::request::{HashSource, RequestView};
@@ -24,7 +25,7 @@ use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::events::RequestTokens;
+use crate::events::{EventState, RequestTokens};
 use crate::manager::{PyHashes, PyKVCacheManager};
 use crate::vllm_hybrid::PyHybridManager;
 
@@ -89,6 +90,55 @@ impl CachedHashes<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// What [`with_request_view`] needs of a manager: its event state and the core's log.
+pub(crate) trait RequestEvents {
+    /// The event state (`None` while events are off).
+    fn event_state(&self) -> Option<&EventState>;
+    /// The event state, mutably, and the core's event log.
+    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog);
+}
+
+impl RequestEvents for PyKVCacheManager {
+    fn event_state(&self) -> Option<&EventState> {
+        self.events.as_ref()
+    }
+
+    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
+        (self.events.as_mut(), self.inner.events())
+    }
+}
+
+/// Runs `f` on `manager` with a view of `request` (read as `req`): its hashes come from
+/// `cache`, synced first and filled as the core asks; with events on, its tokens are
+/// read as the core records `BlockStored`s, whose request fields are attached after.
+pub(crate) fn with_request_view<M: RequestEvents, T>(
+    manager: &mut M,
+    cache: &mut HashCache,
+    request: &Bound<'_, PyAny>,
+    req: VllmRequest<'_>,
+    f: impl FnOnce(&mut M, &RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
+) -> PyResult<T> {
+    cache.sync(&req.block_hashes)?;
+    let id = req.request_id.to_str()?;
+    let hashes = CachedHashes {
+        source: req.block_hashes,
+        cache: RefCell::new(cache),
+    };
+    let tokens = RequestTokens::new(manager.event_state(), request);
+    let before = manager.event_parts().1.len();
+    let view = RequestView {
+        request_id: id,
+        num_tokens: req.num_tokens,
+        num_computed_tokens: req.num_computed_tokens,
+        block_hashes: &hashes as &dyn HashSource,
+    };
+    let result = hashes
+        .source
+        .finish(tokens.run(&view, |view| f(manager, view)));
+    let (state, log) = manager.event_parts();
+    tokens.finish(result, state, log, before)
 }
 
 impl HashSource for CachedHashes<'_, '_> {
@@ -513,27 +563,8 @@ impl PyVllmManager {
         // Out of the manager while the base is borrowed; moving a map copies 3 words.
         let mut caches = std::mem::take(&mut this.hashes);
         let cache = caches.entry_ref(id).or_default();
-        if let Err(err) = cache.sync(&req.block_hashes) {
-            this.hashes = caches;
-            return Err(err);
-        }
-        let hashes = CachedHashes {
-            source: req.block_hashes,
-            cache: RefCell::new(cache),
-        };
-        let base: &mut PyKVCacheManager = &mut *this.as_super();
-        let tokens = RequestTokens::new(base.events.as_ref(), request);
-        let before = base.inner.events().len();
-        let view = RequestView {
-            request_id: id,
-            num_tokens: req.num_tokens,
-            num_computed_tokens: req.num_computed_tokens,
-            block_hashes: &hashes as &dyn HashSource,
-        };
-        let result = hashes
-            .source
-            .finish(tokens.run(&view, |view| f(base, view)));
-        let result = tokens.finish(result, base.events.as_mut(), base.inner.events(), before);
+        let base: &mut PyKVCacheManager = this.as_super();
+        let result = with_request_view(base, cache, request, req, f);
         this.hashes = caches;
         result
     }

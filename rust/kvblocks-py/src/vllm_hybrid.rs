@@ -7,10 +7,10 @@
 // not rustdoc markdown.
 #![allow(clippy::doc_markdown)]
 
-use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use hashbrown::HashMap;
+use kvblocks_core::events::EventLog;
 use kvblocks_core::hybrid::{
     Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots,
 };
@@ -24,11 +24,11 @@ use rustc_hash::FxBuildHasher;
 
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::events::{build_events, EventState, RequestTokens};
+use crate::events::{build_events, EventState};
 use crate::pool::PyBlockPool;
 use crate::vllm::{
-    block_ids_of, request_attr, request_flag, request_id, CachedHashes, HashCache, PoolOwner,
-    PyBlockView, PyKVCacheBlocks, VllmRequest,
+    block_ids_of, request_attr, request_flag, request_id, with_request_view, HashCache, PoolOwner,
+    PyBlockView, PyKVCacheBlocks, RequestEvents, VllmRequest,
 };
 
 /// The native half of ``kvblocks.vllm.HybridKVCacheManager``: vLLM 0.33.0's
@@ -71,6 +71,16 @@ pub struct PyHybridManager {
     pool_view: OnceLock<Py<PyBlockPool>>,
 }
 
+impl RequestEvents for PyHybridManager {
+    fn event_state(&self) -> Option<&EventState> {
+        self.events.as_ref()
+    }
+
+    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
+        (self.events.as_mut(), self.inner.events())
+    }
+}
+
 impl PyHybridManager {
     /// The core manager.
     pub(crate) fn core(&self) -> &HybridManager {
@@ -105,39 +115,24 @@ impl PyHybridManager {
         };
         let id = req.request_id.to_str()?;
         let mut this = slf.try_borrow_mut()?;
-        let this = &mut *this;
-        let cache = this.hashes.entry_ref(id).or_default();
-        cache.sync(&req.block_hashes)?;
-        let hashes = CachedHashes {
-            source: req.block_hashes,
-            cache: RefCell::new(cache),
-        };
-        let tokens = RequestTokens::new(this.events.as_ref(), request);
-        let before = this.inner.events().len();
-        let view = RequestView {
-            request_id: id,
-            num_tokens: req.num_tokens,
-            num_computed_tokens: req.num_computed_tokens,
-            block_hashes: &hashes as &dyn HashSource,
-        };
-        let inner = &mut this.inner;
-        let result = hashes.source.finish(tokens.run(&view, |view| {
-            f(
-                inner,
-                &HybridRequest {
-                    view: RequestView {
-                        request_id: view.request_id,
-                        num_tokens: view.num_tokens,
-                        num_computed_tokens: view.num_computed_tokens,
-                        block_hashes: view.block_hashes,
-                    },
-                    num_prompt_tokens,
-                    num_in_flight_tokens,
-                    shared_prefix_boundary,
+        let mut caches = std::mem::take(&mut this.hashes);
+        let cache = caches.entry_ref(id).or_default();
+        let result = with_request_view(&mut *this, cache, request, req, |this, view| {
+            let request = HybridRequest {
+                view: RequestView {
+                    request_id: view.request_id,
+                    num_tokens: view.num_tokens,
+                    num_computed_tokens: view.num_computed_tokens,
+                    block_hashes: view.block_hashes,
                 },
-            )
-        }));
-        tokens.finish(result, this.events.as_mut(), this.inner.events(), before)
+                num_prompt_tokens,
+                num_in_flight_tokens,
+                shared_prefix_boundary,
+            };
+            f(&mut this.inner, &request)
+        });
+        this.hashes = caches;
+        result
     }
 
     /// `groups` as a result: the shared empty one when every group is empty.
