@@ -11,7 +11,7 @@ from typing import Any
 import kvblocks.events
 import msgspec
 import pytest
-from conftest import golden_params, load_golden
+from golden_cases import golden_params, load_golden
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvblocks import _native, reference

@@ -12,8 +12,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import FakeManager, Req, golden_params
+from golden_cases import golden_params
 from kvblocks.errors import NoFreeBlocksError, UnsupportedLayoutError
+from support import FakeManager, Req
 
 
 def extra_key_from_json(value: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import cbor2
 import pytest
 import xxhash
-from conftest import golden_params
+from golden_cases import golden_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

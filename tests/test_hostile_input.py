@@ -18,8 +18,8 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
-from conftest import Req, outcome
 from kvblocks.errors import KVBlocksError
+from support import Req, outcome
 
 
 class LyingIterator:

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FakeManager, Req
 from kvblocks.errors import UnknownBlockError, UnsupportedLayoutError
+from support import FakeManager, Req
 
 BS = 16
 MULTIPLE_GROUPS_MESSAGE = (

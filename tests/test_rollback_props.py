@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
-from conftest import FakeManager, Req, outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvblocks.reference import scheduler as reference
+from support import FakeManager, Req, outcome
 
 # `backend` is a module: nothing to reset between examples.
 PROPERTY = settings(

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from conftest import Outcome, block_tuple, outcome
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -27,6 +26,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from kvblocks import reference as _reference
+from support import Outcome, block_tuple, outcome
 
 #: The pure-Python reference every backend is compared with.
 reference: ModuleType = _reference

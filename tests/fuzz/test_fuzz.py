@@ -2,7 +2,7 @@
 
 Each test draws a *program*: a list of calls on one API area (pool, hashing, requests,
 manager, rollback, constructors and value classes) whose arguments are mostly valid and
-sometimes hostile (``tests/hostile.py``). ``tests/fuzz_child.py`` runs it in a child
+sometimes hostile (``tests/fuzz/hostile.py``). ``tests/fuzz/child.py`` runs it in a child
 process on the reference and on the native backend, one call at a time, and reports the
 first call after which the two disagree: on the outcome (the result as plain values, or
 the exact exception class), on the whole observable state, or because a call that raised
@@ -14,8 +14,8 @@ the child: the test fails with the program as the reproducer, and the child is r
 Every failure prints the shrunk program, the command that replays it and the calls as
 Python-ish source.
 
-Run ``pytest tests/test_fuzz.py`` (the bounded, derandomized ``ci`` profile) or ``pytest
-tests/test_fuzz.py --hypothesis-profile=long`` (20 times the examples, random).
+Run ``pytest tests/fuzz`` (the bounded, derandomized ``ci`` profile) or ``pytest tests/fuzz
+--hypothesis-profile=long`` (20 times the examples, random).
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import hostile as h
 import pytest
-from fuzz_child import PROBE_HASHES
-from hostile import Recipe
 from hypothesis import given
 from hypothesis import strategies as st
 
-CHILD = Path(__file__).with_name("fuzz_child.py")
+from fuzz import hostile as h
+from fuzz.child import PROBE_HASHES
+from fuzz.hostile import Recipe
+
+CHILD = Path(__file__).with_name("child.py")
 
 #: Seconds one call may take in the child before it counts as a hang (``faulthandler``
 #: then kills the child with every thread's traceback); every valid call takes
@@ -57,7 +58,7 @@ Program = list[Step]
 
 
 class Worker:
-    """A persistent ``fuzz_child.py`` process: one JSON program in, one report out."""
+    """A persistent ``child.py`` process: one JSON program in, one report out."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
@@ -150,7 +151,7 @@ def check(program: Program) -> None:
 
 def reproducer(program: Program, report: dict[str, Any]) -> str:
     """The failure message: what diverged, the calls, and how to replay them."""
-    import fuzz_child  # noqa: PLC0415 (the child module, imported only to format a failure)
+    from fuzz import child  # noqa: PLC0415 (the child module, imported only to format a failure)
 
     lines = ["The backends diverged (python = reference, rust = native)."]
     if "crash" in report:
@@ -158,7 +159,7 @@ def reproducer(program: Program, report: dict[str, Any]) -> str:
     for d in [*report.get("divergences", []), *report.get("messages", [])]:
         lines.append(json.dumps(d, ensure_ascii=True))
     lines.append("Calls (each backend builds its own fresh arguments):")
-    lines += [f"  {fuzz_child.render_step(step)}" for step in program]
+    lines += [f"  {child.render_step(step)}" for step in program]
     lines.append("Replay:")
     lines.append(f"  {sys.executable} {CHILD} --replay - <<'EOF'")
     lines.append(json.dumps(program, ensure_ascii=True))

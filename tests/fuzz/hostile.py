@@ -1,4 +1,4 @@
-"""Hostile values for the differential fuzzer (``tests/test_fuzz.py``), as recipes.
+"""Hostile values for the differential fuzzer (``tests/fuzz/test_fuzz.py``), as recipes.
 
 A *recipe* is plain JSON data that describes a value; :func:`build` turns it into the
 value. The fuzzer draws recipes (never the objects themselves) because:
@@ -7,7 +7,7 @@ value. The fuzzer draws recipes (never the objects themselves) because:
   backend, or a property that changes on every read, would otherwise leak state from one
   backend's call into the other's;
 * a recipe is printable and JSON-serialisable, so a failing case can be replayed in a
-  child process (``tests/fuzz_child.py``) and pasted into a bug report as is.
+  child process (``tests/fuzz/child.py``) and pasted into a bug report as is.
 
 Recipe grammar: a JSON scalar (``int`` of any size, ``float``, ``str`` - lone surrogates
 included, JSON escapes them -, ``bool``, ``null``) stands for itself; every other value is
@@ -53,7 +53,7 @@ class Side(Protocol):
     names: dict[str, Any]
 
     def reenter(self, call: Recipe) -> Any:
-        """Performs ``call`` (a fuzz step, see ``tests/fuzz_child.py``) on this backend."""
+        """Performs ``call`` (a fuzz step, see ``tests/fuzz/child.py``) on this backend."""
         ...
 
 

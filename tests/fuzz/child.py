@@ -1,7 +1,7 @@
 """The lockstep engine of the differential fuzzer, run in a child process.
 
-``tests/test_fuzz.py`` draws *programs* (lists of JSON steps whose arguments are
-``tests/hostile.py`` recipes) and sends them to this process, one JSON line each; it
+``tests/fuzz/test_fuzz.py`` draws *programs* (lists of JSON steps whose arguments are
+``tests/fuzz/hostile.py`` recipes) and sends them to this process, one JSON line each; it
 answers one JSON line per program. A backend that aborts, segfaults or hangs kills only
 this process: the parent sees the pipe close (or time out) and reports the program as the
 reproducer. A per-step ``faulthandler`` watchdog turns a hang into an exit with every
@@ -20,8 +20,8 @@ after success). Targets: ``mod`` (the backend module), ``ctx`` (test doubles), `
 ``mgr``, ``hasher``, ``req`` (``"index"`` picks the request). ``name`` may be ``@attr``
 (read an attribute) or ``=attr`` (assign ``args[0]``).
 
-Usage: ``python tests/fuzz_child.py`` serves programs on stdin; ``python
-tests/fuzz_child.py --replay PROGRAM.json`` (or ``-`` for stdin) runs one program and
+Usage: ``python tests/fuzz/child.py`` serves programs on stdin; ``python
+tests/fuzz/child.py --replay PROGRAM.json`` (or ``-`` for stdin) runs one program and
 prints its report, exiting 1 on a divergence or a different message.
 """
 
@@ -43,11 +43,14 @@ from typing import Any
 
 from kvblocks import reference
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script, this file has only its own folder on the path: put tests/ first, where
+# ``fuzz`` is this package and ``support`` (the shared test doubles) lives.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hostile
-from conftest import FakeManager, Req
-from hostile import Recipe, build, build_all, builder, render
+from support import FakeManager, Req
+
+from fuzz import hostile
+from fuzz.hostile import Recipe, build, build_all, builder, render
 
 #: Seconds one step (call plus snapshots) may take before it counts as a hang.
 STEP_TIMEOUT = float(os.environ.get("KVBLOCKS_FUZZ_STEP_TIMEOUT", "10"))
