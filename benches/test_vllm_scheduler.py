@@ -81,11 +81,13 @@ def test_kvblocks_scheduler_matches_vllms(kv_load: bool) -> None:
 
 def test_decode_load_times_only_decodes() -> None:
     """After the warm-up every request decodes: each timed step schedules one token for
-    each of the ``N`` requests, and nothing arrives."""
+    each of the ``N`` requests, and nothing arrives or is hashed."""
     workload = vllm_scheduler.vllm_scheduler(16, load="decode", steps=8, kvblocks_cls=_stock())
     assert workload.name == "vllm_scheduler_decode_16"
     driver = workload.vllm_setup()  # type: ignore[misc]
     assert not driver.scheduler.cache_config.enable_prefix_caching
+    # As vLLM's engine makes them without the prefix cache: not hashed.
+    assert not any(r.block_hashes for r in driver.scheduler.requests.values())
     first = len(driver.scheduled)
     _, record = driver.run(8)
     assert all(sorted(n for _, n in step) == [1] * 16 for step in driver.scheduled[first:])

@@ -483,7 +483,12 @@ class _Driver:
         self._model_runner_output = outputs.ModelRunnerOutput
         self._kv_output = outputs.KVConnectorOutput if kv_load else None
         kv_cache_utils.init_none_hash(hashing.sha256)
-        self._hasher = kv_cache_utils.get_request_block_hasher(_BLOCK_SIZE, hashing.sha256)
+        # vLLM's engine hashes requests only for the prefix cache or a KV connector.
+        self._hasher = (
+            kv_cache_utils.get_request_block_hasher(_BLOCK_SIZE, hashing.sha256)
+            if script.prefix_caching or kv_load
+            else None
+        )
         self._script = script
         self._next = 0
         #: The fixed token each request samples, by request id.
