@@ -12,6 +12,7 @@ from typing import Any
 import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
+from kvblocks.vllm._version_check import newer_version_reason
 from kvblocks.vllm.config import ManagerArgs, config_reason
 from kvblocks.vllm.hybrid import HybridKVCacheManager
 from kvblocks.vllm.manager import KVCacheManager
@@ -35,7 +36,8 @@ def unsupported_reason(*, vllm_config: Any = None, **kwargs: Any) -> str | None:
     (:class:`~kvblocks.vllm.config.ManagerArgs`), plus the Scheduler's ``vllm_config``
     when known (for aux outputs and connectors).
     """
-    reason = ManagerArgs(**kwargs).unsupported_reason()
+    # A newer vLLM may pass arguments ManagerArgs does not know: checked first.
+    reason = newer_version_reason() or ManagerArgs(**kwargs).unsupported_reason()
     if reason is None and vllm_config is not None:
         return config_reason(vllm_config)
     return reason
