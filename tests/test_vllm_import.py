@@ -1,6 +1,7 @@
 """vLLM is optional: ``import kvblocks`` never imports it, and ``kvblocks.vllm`` says how
-to install it when it is missing or not 0.33.x. Each case runs in a fresh interpreter,
-with vLLM hidden or faked, so it holds with or without vLLM installed."""
+to install it when it is missing or older than 0.33.x (a newer one is
+``tests/vllm/test_check.py``'s). Each case runs in a fresh interpreter, with vLLM hidden
+or faked, so it holds with or without vLLM installed."""
 
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ def test_missing_vllm_names_the_extra() -> None:
     assert "pip install 'kvblocks[vllm]'" in result.stdout
 
 
-def test_another_vllm_version_names_the_supported_one() -> None:
+def test_an_older_vllm_names_the_supported_one() -> None:
     result = run_python(
         """
         import sys, types
         fake = types.ModuleType("vllm")
-        fake.__version__ = "0.34.1"
+        fake.__version__ = "0.32.1"
         sys.modules["vllm"] = fake
         try:
             import kvblocks.vllm
@@ -62,5 +63,5 @@ def test_another_vllm_version_names_the_supported_one() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "supports vLLM 0.33.x only, found vLLM 0.34.1" in result.stdout
+    assert "supports vLLM 0.33.x, found vLLM 0.32.1" in result.stdout
     assert "pip install 'vllm==0.33.0'" in result.stdout
