@@ -15,11 +15,12 @@ export PATH := $(CURDIR)/.venv/bin:$(PATH)
 dev: .venv/bin/python
 	python -m pip install --quiet -e '.[dev]'
 
-# The core crate's tests, then both backends' suite. tests/vllm needs vLLM's venv: without
-# vLLM its conftest reports each module as skipped.
+# The core crate's tests, then both backends' suite, its Hypothesis tests with a tenth of
+# CI's examples (the "dev" profile of tests/conftest.py). tests/vllm needs vLLM's venv:
+# without vLLM its conftest reports each module as skipped.
 test:
 	cargo test -p kvblocks-core --locked
-	python -m pytest -q
+	HYPOTHESIS_PROFILE=dev python -m pytest -q
 
 lint:
 	cargo fmt --all --check

@@ -16,9 +16,10 @@ from kvblocks import BACKEND_MODULES, load_backend
 
 # Hypothesis profiles. "ci" (the default) is reproducible: derandomized, no example
 # database, so every run tries the same examples; it bounds tests/fuzz/ to about a
-# minute. "long" (``pytest --hypothesis-profile=long``) tries 20 times as many random
-# examples and keeps the failures it finds in the database. Neither has a deadline: the
-# fuzzer's calls run in a child process, whose start-up time would count.
+# minute. "dev" (``make test``) is "ci" with a tenth of the examples, for the fast loop.
+# "long" (``pytest --hypothesis-profile=long``) tries 20 times as many random examples
+# and keeps the failures it finds in the database. None has a deadline: the fuzzer's
+# calls run in a child process, whose start-up time would count.
 settings.register_profile(
     "ci",
     max_examples=100,
@@ -27,6 +28,17 @@ settings.register_profile(
     database=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# With so few examples, a test's early filtering trips Hypothesis's health check.
+settings.register_profile(
+    "dev",
+    settings.get_profile("ci"),
+    max_examples=10,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 settings.register_profile(
     "long",
