@@ -31,7 +31,10 @@ def series(version: str) -> tuple[int, int] | None:
 def newer_version_reason() -> str | None:
     """Why kvblocks' managers stand aside for the installed vLLM, when it is newer than
     the tested series; None otherwise."""
-    version = installed_version()
+    return _newer_reason(installed_version())
+
+
+def _newer_reason(version: str) -> str | None:
     found = series(version)
     if found is None or found <= TESTED_SERIES:
         return None
@@ -57,7 +60,7 @@ def require_vllm() -> None:
             f"kvblocks.vllm supports vLLM {_tested()}, found vLLM {version}: "
             f"pip install 'vllm=={TESTED_SERIES[0]}.{TESTED_SERIES[1]}.0'"
         )
-    if (reason := newer_version_reason()) is not None:
+    if (reason := _newer_reason(version)) is not None:
         warnings.warn(
             f"{reason}. kvblocks' schedulers will use vLLM's own KV cache manager.",
             RuntimeWarning,

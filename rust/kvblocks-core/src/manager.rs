@@ -1107,24 +1107,10 @@ impl KVCacheManager {
         num_cached: usize,
         full: usize,
     ) -> Result<(Option<BlockHash>, Vec<i64>)> {
-        let parent = match num_cached.checked_sub(1) {
-            Some(i) => Some(request.block_hashes.hash(i)?),
-            None => None,
-        };
-        let Some(source) = request.block_hashes.token_source() else {
-            return Err(Error::InvalidArgument(format!(
-                "KV cache events need the token ids of request {}",
-                request.request_id
-            )));
-        };
-        let bs = self.block_size;
-        let mut tokens = Vec::with_capacity((full - num_cached).saturating_mul(bs));
-        source.token_ids(
-            num_cached.saturating_mul(bs)..full.saturating_mul(bs),
-            bs,
-            &mut tokens,
-        )?;
-        Ok((parent, tokens))
+        Ok((
+            request.block_hashes.parent(num_cached)?,
+            request.block_tokens(num_cached..full, self.block_size)?,
+        ))
     }
 
     /// Records the `BlockStored` of an applied caching step (events on).

@@ -36,6 +36,14 @@ pub trait HashSource {
         })
     }
 
+    /// The hash before block `first` (a `BlockStored`'s parent): `None` from block 0.
+    ///
+    /// # Errors
+    /// Those of [`HashSource::hash`].
+    fn parent(&self, first: usize) -> Result<Option<BlockHash>> {
+        first.checked_sub(1).map(|i| self.hash(i)).transpose()
+    }
+
     /// The request's token ids, if this source provides them. A manager asks only
     /// when KV cache events are on (for `BlockStored.token_ids`); it then refuses to
     /// cache the blocks of a request whose source returns `None` (the default).
@@ -89,7 +97,7 @@ impl HashSource for [BlockHash] {
 }
 
 /// What the manager reads of a request (vLLM's duck-typed `Request`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct RequestView<'a, H: ?Sized> {
     /// The request id.
     pub request_id: &'a str,
@@ -99,4 +107,36 @@ pub struct RequestView<'a, H: ?Sized> {
     pub num_computed_tokens: i64,
     /// The hashes of the request's full blocks.
     pub block_hashes: &'a H,
+}
+
+// By hand: a derive would ask `H: Copy`, which a `dyn HashSource` is not.
+impl<H: ?Sized> Clone for RequestView<'_, H> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H: ?Sized> Copy for RequestView<'_, H> {}
+
+impl<H: HashSource + ?Sized> RequestView<'_, H> {
+    /// The token ids of `blocks` (of `block_size` tokens each), for a `BlockStored`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the hash source has no token source; the token
+    /// source's errors.
+    pub fn block_tokens(&self, blocks: Range<usize>, block_size: usize) -> Result<Vec<i64>> {
+        let Some(source) = self.block_hashes.token_source() else {
+            return Err(Error::InvalidArgument(format!(
+                "KV cache events need the token ids of request {}",
+                self.request_id
+            )));
+        };
+        let mut tokens = Vec::with_capacity(blocks.len().saturating_mul(block_size));
+        source.token_ids(
+            blocks.start.saturating_mul(block_size)..blocks.end.saturating_mul(block_size),
+            block_size,
+            &mut tokens,
+        )?;
+        Ok(tokens)
+    }
 }

@@ -307,10 +307,8 @@ impl<'py> RequestTokens<'py> {
             tokens: self,
         };
         f(&RequestView {
-            request_id: view.request_id,
-            num_tokens: view.num_tokens,
-            num_computed_tokens: view.num_computed_tokens,
             block_hashes: &hashes as &dyn HashSource,
+            ..*view
         })
     }
 

@@ -92,19 +92,13 @@ impl CachedHashes<'_, '_> {
     }
 }
 
-/// What [`with_request_view`] needs of a manager: its event state and the core's log.
+/// What [`with_request_view`] needs of a manager: its event state (`None` while events
+/// are off) and the core's event log.
 pub(crate) trait RequestEvents {
-    /// The event state (`None` while events are off).
-    fn event_state(&self) -> Option<&EventState>;
-    /// The event state, mutably, and the core's event log.
     fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog);
 }
 
 impl RequestEvents for PyKVCacheManager {
-    fn event_state(&self) -> Option<&EventState> {
-        self.events.as_ref()
-    }
-
     fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
         (self.events.as_mut(), self.inner.events())
     }
@@ -126,8 +120,9 @@ pub(crate) fn with_request_view<M: RequestEvents, T>(
         source: req.block_hashes,
         cache: RefCell::new(cache),
     };
-    let tokens = RequestTokens::new(manager.event_state(), request);
-    let before = manager.event_parts().1.len();
+    let (state, log) = manager.event_parts();
+    let tokens = RequestTokens::new(state.as_deref(), request);
+    let before = log.len();
     let view = RequestView {
         request_id: id,
         num_tokens: req.num_tokens,

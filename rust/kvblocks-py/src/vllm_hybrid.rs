@@ -14,7 +14,7 @@ use kvblocks_core::events::EventLog;
 use kvblocks_core::hybrid::{
     Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots,
 };
-use kvblocks_core::request::{HashSource, RequestView};
+use kvblocks_core::request::HashSource;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -72,10 +72,6 @@ pub struct PyHybridManager {
 }
 
 impl RequestEvents for PyHybridManager {
-    fn event_state(&self) -> Option<&EventState> {
-        self.events.as_ref()
-    }
-
     fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
         (self.events.as_mut(), self.inner.events())
     }
@@ -119,12 +115,7 @@ impl PyHybridManager {
         let cache = caches.entry_ref(id).or_default();
         let result = with_request_view(&mut *this, cache, request, req, |this, view| {
             let request = HybridRequest {
-                view: RequestView {
-                    request_id: view.request_id,
-                    num_tokens: view.num_tokens,
-                    num_computed_tokens: view.num_computed_tokens,
-                    block_hashes: view.block_hashes,
-                },
+                view: *view,
                 num_prompt_tokens,
                 num_in_flight_tokens,
                 shared_prefix_boundary,

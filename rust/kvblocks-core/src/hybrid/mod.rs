@@ -743,11 +743,10 @@ impl HybridManager {
             positions.push(i);
         }
         let event = if self.pool.events().is_enabled() {
-            let parent = match num_cached.checked_sub(1) {
-                Some(i) => Some(group_hashes.hash(i)?),
-                None => None,
-            };
-            Some((parent, token_ids(view, num_cached, full, group.block_size)?))
+            Some((
+                group_hashes.parent(num_cached)?,
+                view.block_tokens(num_cached..full, index(group.block_size))?,
+            ))
         } else {
             None
         };
@@ -819,11 +818,8 @@ impl HybridManager {
             .pool
             .cache_partial_key(block, (key, gid_u32(gid)), boundary);
         if stored && self.pool.events().is_enabled() {
-            let parent = match last.checked_sub(1) {
-                Some(i) => Some(view.block_hashes.hash(i)?),
-                None => None,
-            };
-            let tokens = token_ids(view, last, last + 1, hash_bs)?;
+            let parent = view.block_hashes.parent(last)?;
+            let tokens = view.block_tokens(last..last + 1, index(hash_bs))?;
             self.pool.events_mut().record_stored_sized(
                 &[key],
                 parent,
@@ -865,7 +861,7 @@ impl HybridManager {
             }
             let mut hashes = Vec::with_capacity(n);
             group_hashes.hashes(0..n, &mut hashes)?;
-            let tokens = token_ids(request, 0, n, block_size)?;
+            let tokens = request.block_tokens(0..n, index(block_size))?;
             self.pool.events_mut().record_stored_sized(
                 &hashes,
                 None,
@@ -1067,26 +1063,6 @@ fn tables_of<'a>(
     requests
         .get_mut(request_id)
         .unwrap_or_else(|| unreachable!("inserted above"))
-}
-
-/// The token ids of blocks `first .. end` (of `block_size` tokens) of the request,
-/// for a `BlockStored`.
-fn token_ids<H: HashSource + ?Sized>(
-    view: &RequestView<'_, H>,
-    first: usize,
-    end: usize,
-    block_size: i64,
-) -> Result<Vec<i64>> {
-    let Some(source) = view.block_hashes.token_source() else {
-        return Err(Error::InvalidArgument(format!(
-            "KV cache events need the token ids of request {}",
-            view.request_id
-        )));
-    };
-    let bs = index(block_size);
-    let mut tokens = Vec::with_capacity((end - first).saturating_mul(bs));
-    source.token_ids(first * bs..end * bs, bs, &mut tokens)?;
-    Ok(tokens)
 }
 
 /// A group index as vLLM's group id.
