@@ -537,5 +537,32 @@ def test_the_vllm_adapter_refuses_event_classes_with_other_fields() -> None:
         BlockRemoved=BlockRemoved,
         AllBlocksCleared=kvblocks.events.AllBlocksCleared,
     )
-    with pytest.raises(TypeError, match=r"has the fields \('block_hashes', 'medium'\), not"):
+    with pytest.raises(TypeError, match=r'has the fields \["block_hashes", "medium"\], not'):
+        vllm_adapter_manager(event_structs=structs)
+
+
+def _block_stored_without(*dropped: str) -> type:
+    """kvblocks' ``BlockStored`` without the named fields (as an older vLLM's)."""
+    fields = [
+        (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(kvblocks.events.BlockStored)
+        if f.name not in dropped
+    ]
+    return msgspec.defstruct("BlockStored", fields, tag=True, array_like=True)
+
+
+def test_the_vllm_adapter_takes_an_older_block_stored() -> None:
+    """vLLM 0.31 and 0.32's ``BlockStored`` lacks the trailing ``lookahead_token_ids``,
+    which the adapter never sets: accepted. A class lacking a field it sets is not."""
+    older = _block_stored_without("lookahead_token_ids")
+    structs = SimpleNamespace(
+        BlockStored=older,
+        BlockRemoved=kvblocks.events.BlockRemoved,
+        AllBlocksCleared=kvblocks.events.AllBlocksCleared,
+    )
+    (stored,) = vllm_adapter_manager(event_structs=structs).take_events()
+    assert type(stored) is older
+    assert stored.token_ids == list(range(8))
+    structs.BlockStored = _block_stored_without("lookahead_token_ids", "lora_name")
+    with pytest.raises(TypeError, match=r"BlockStored.* has the fields .*, not those of"):
         vllm_adapter_manager(event_structs=structs)

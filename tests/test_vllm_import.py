@@ -1,5 +1,5 @@
 """vLLM is optional: ``import kvblocks`` never imports it, and ``kvblocks.vllm`` says how
-to install it when it is missing or older than 0.33.x (a newer one is
+to install it when it is missing or older than 0.31.x (a newer one is
 ``tests/vllm/test_check.py``'s). Each case runs in a fresh interpreter, with vLLM hidden
 or faked, so it holds with or without vLLM installed."""
 
@@ -45,7 +45,7 @@ def test_missing_vllm_names_the_extra() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "ImportError: kvblocks.vllm needs vLLM 0.33.x" in result.stdout
+    assert "ImportError: kvblocks.vllm needs vLLM 0.31.x to 0.33.x" in result.stdout
     assert "pip install 'kvblocks[vllm]'" in result.stdout
 
 
@@ -54,7 +54,7 @@ def test_an_older_vllm_names_the_supported_one() -> None:
         """
         import sys, types
         fake = types.ModuleType("vllm")
-        fake.__version__ = "0.32.1"
+        fake.__version__ = "0.30.1"
         sys.modules["vllm"] = fake
         try:
             import kvblocks.vllm
@@ -63,5 +63,5 @@ def test_an_older_vllm_names_the_supported_one() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "supports vLLM 0.33.x, found vLLM 0.32.1" in result.stdout
+    assert "supports vLLM 0.31.x to 0.33.x, found vLLM 0.30.1" in result.stdout
     assert "pip install 'vllm==0.33.0'" in result.stdout

@@ -1,7 +1,8 @@
-"""Tests of ``kvblocks.vllm`` against vLLM 0.33.0's real Scheduler (CPU only, offline).
+"""Tests of ``kvblocks.vllm`` against the real Scheduler of a supported vLLM (0.31.x to
+0.33.x; CPU only, offline).
 
-Without vLLM 0.33.x every module here is reported as skipped, with the reason; nothing
-imports vLLM then. The vLLM environment variables are set before anything imports it.
+Without one, every module here is reported as skipped, with the reason; nothing imports
+vLLM then. The vLLM environment variables are set before anything imports it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 
-SKIP_REASON = "vLLM 0.33 not installed: run .ci/run, or see docs/vllm.md (its CPU recipe)"
+SKIP_REASON = "vLLM 0.31 to 0.33 not installed: run .ci/run, or see docs/vllm.md (its CPU recipe)"
+#: The supported release series, as version prefixes.
+SUPPORTED_PREFIXES = ("0.31.", "0.32.", "0.33.")
 
 
 def _vllm_missing() -> str | None:
@@ -30,7 +33,7 @@ def _vllm_missing() -> str | None:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         return SKIP_REASON
-    if not version.startswith("0.33."):
+    if not version.startswith(SUPPORTED_PREFIXES):
         return f"{SKIP_REASON} (found vLLM {version})"
     return None
 

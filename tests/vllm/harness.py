@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dataclasses
 import enum
+import inspect
 import json
 import random
 import sys
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
+import vllm
 from kvblocks.vllm.cpu import VOCAB_SIZE, GroupLayout, kv_cache_config, write_config_only_model
 from vllm.config import (
     CacheConfig,
@@ -64,6 +66,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -76,6 +79,14 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
+
+#: The installed vLLM's release series, ``(0, 33)`` for 0.33.x.
+VLLM_SERIES = tuple(int(part) for part in vllm.__version__.split(".")[:2])
+#: Whether the installed vLLM's lookups take a hit cap (0.33 on; older ones take the
+#: request alone).
+TAKES_MAX_CACHE_HIT_LENGTH = (
+    "max_cache_hit_length" in inspect.signature(VllmKVCacheManager.get_computed_blocks).parameters
+)
 
 #: Steps without a scheduled token (and nothing pending) after which a run has stalled.
 STALL_STEPS = 40

@@ -12,6 +12,7 @@ import pytest
 import torch
 from kvblocks.vllm import HybridKVCacheManager, KVCacheManager, make_kv_cache_manager
 from kvblocks.vllm import unsupported_reason as reason_for
+from kvblocks.vllm._version_check import installed_differences
 from kvblocks.vllm.cpu import GEMMA3_LIKE, GPT_OSS_LIKE, LLAMA4_LIKE, GroupLayout, kv_cache_config
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.kv_cache_interface import (
@@ -118,6 +119,12 @@ FALLBACK: dict[str, tuple[dict[str, Any], str]] = {
 @pytest.mark.parametrize("layout", sorted(MANAGED))
 def test_managed(layout: str) -> None:
     kwargs, cls = MANAGED[layout]
+    if cls is HybridKVCacheManager and not installed_differences().hybrid_layouts:
+        # Before vLLM 0.33, these layouts stay on vLLM's manager, saying why.
+        reason = reason_for(**kwargs)
+        assert reason is not None and "before vLLM 0.33" in reason
+        assert type(make_kv_cache_manager(**kwargs)) is VllmKVCacheManager
+        return
     assert reason_for(**kwargs) is None
     manager = make_kv_cache_manager(**kwargs)
     assert type(manager) is cls

@@ -1,5 +1,6 @@
-"""Every public member of vLLM 0.33.0's manager classes exists on kvblocks' counterpart,
-or is in the table of deliberate exclusions in ``docs/vllm.md`` (with its reason).
+"""Every public member of the installed vLLM's manager classes exists on kvblocks'
+counterpart, or is in the table of deliberate exclusions in ``docs/vllm.md`` (with the
+releases that have it, and its reason).
 
 The members are enumerated from live objects (``dir()``, no leading underscore), so an
 attribute set in ``__init__`` counts as much as a method. Whether each member means the
@@ -15,20 +16,26 @@ from typing import Any
 
 import harness
 import pytest
+import vllm
 from kvblocks.vllm import KVCacheManager
+from kvblocks.vllm._version_check import series
 from kvblocks.vllm.manager import ManagerSurface
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
-ROW = re.compile(r"^\| `(\w+)` \| `(\w+)` \| (.+) \|$")
+#: ``| `class` | `member` | 0.31-0.33 | why |`: the releases are one series or a range.
+ROW = re.compile(r"^\| `(\w+)` \| `(\w+)` \| 0\.(\d+)(?:-0\.(\d+))? \| (.+) \|$")
 
 
-def exclusions() -> dict[str, set[str]]:
-    """The documented exclusions, by class."""
+def exclusions(installed: tuple[int, int] | None = None) -> dict[str, set[str]]:
+    """The documented exclusions of the installed vLLM's series, by class."""
+    found = installed or series(vllm.__version__)
     table: dict[str, set[str]] = {}
     for line in DOC.read_text(encoding="utf-8").splitlines():
-        if match := ROW.match(line):
-            table.setdefault(match[1], set()).add(match[2])
+        if (match := ROW.match(line)) and found is not None:
+            first, last = int(match[3]), int(match[4] or match[3])
+            if first <= found[1] <= last:
+                table.setdefault(match[1], set()).add(match[2])
     return table
 
 
@@ -85,6 +92,9 @@ def test_the_table_is_read() -> None:
     table = exclusions()
     assert sum(map(len, table.values())) >= 10, table
     assert set(table) <= set(CLASSES)
+    # The releases column is read: a member of one release only is not another's.
+    assert "get_replay_boundaries" in exclusions((0, 31))["KVCacheCoordinator"]
+    assert "get_replay_boundaries" not in exclusions((0, 33))["KVCacheCoordinator"]
 
 
 def test_a_missing_member_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

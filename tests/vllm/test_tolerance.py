@@ -174,8 +174,9 @@ def test_odd_lookups_and_slices_are_taken_as_vllm_takes_them() -> None:
     for tokens in (-9, -5, -4, -1, 0, 1, 5, 99):
         same(managers, reqs, partial(block_ids_for_computed_tokens, tokens=tokens))
     same(managers, reqs, lambda m, r: m.get_computed_blocks(r["e"]))
-    same(managers, reqs, lambda m, r: m.get_computed_blocks(r["r"], -1))
-    same(managers, reqs, lambda m, r: m.get_computed_blocks(r["r"], 10**6))
+    if harness.TAKES_MAX_CACHE_HIT_LENGTH:
+        same(managers, reqs, lambda m, r: m.get_computed_blocks(r["r"], -1))
+        same(managers, reqs, lambda m, r: m.get_computed_blocks(r["r"], 10**6))
     for tokens in (-9, 0, 3, 64):
         same(managers, reqs, partial(num_blocks_to_allocate, tokens=tokens))
 

@@ -1,4 +1,4 @@
-"""kvblocks inside vLLM 0.33.0's own Scheduler.
+"""kvblocks inside vLLM's own Scheduler (vLLM 0.31.x to 0.33.x).
 
 Use it with vLLM's supported hook::
 
@@ -9,7 +9,8 @@ or ``LLM(..., scheduler_cls="kvblocks.vllm.KVBlocksScheduler")``. The scheduler 
 kvblocks' :class:`KVCacheManager` (state and decisions in Rust) in place of vLLM's for
 one full-attention KV cache group, :class:`HybridKVCacheManager` for full,
 sliding-window and chunked-local groups of one block size (gpt-oss, Gemma 2/3, Cohere2,
-Llama 4), and vLLM's own manager otherwise, logging the reason once at INFO.
+Llama 4; vLLM 0.33 only), and vLLM's own manager otherwise, logging the reason once at
+INFO.
 :func:`install` does the same for code that builds
 ``vllm.v1.core.sched.scheduler.Scheduler`` directly.
 

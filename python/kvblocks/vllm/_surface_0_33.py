@@ -3,6 +3,8 @@
 ``python -m kvblocks.vllm.check --write`` (see :mod:`kvblocks.vllm.check`).
 Generated: do not edit."""
 
+VERSION = "0.33.0"
+
 SURFACE: dict[str, str] = {
     "vllm.distributed.kv_events.AllBlocksCleared": "fields: ",
     "vllm.distributed.kv_events.BlockRemoved": "fields: block_hashes, medium, group_idx, locality, ownership",

@@ -2,13 +2,14 @@
 
 The surface is every vLLM class and function kvblocks.vllm overrides, calls or is
 called through, by signature (parameter names, kinds and defaults), and the fields of
-the event, stats and KV cache spec classes it builds or reads. ``_surface_0_33`` holds
-it as recorded from vLLM 0.33.0.
+the event, stats and KV cache spec classes it builds or reads. ``_surface_0_31``,
+``_surface_0_32`` and ``_surface_0_33`` hold it as recorded from each supported release.
 
 Run ``python -m kvblocks.vllm.check`` against whatever vLLM is installed: it prints each
-entry that was added, removed or changed since the recording (exit status 1 if any), so
-a port to a new vLLM release starts from that list. ``--write`` records the installed
-vLLM's surface (for a release kvblocks.vllm is ported to).
+entry that was added, removed or changed since the recording of its series (of the newest
+supported one for a newer vLLM), with exit status 1 if any, so a port to a new vLLM
+release starts from that list. ``--write FILE`` records the installed vLLM's surface (for
+a release kvblocks.vllm is ported to).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvblocks.vllm._surface_0_33 import SURFACE as RECORDED
-from kvblocks.vllm._version_check import installed_version
+from kvblocks.vllm._version_check import NEWEST_SERIES, OLDEST_SERIES, installed_version, series
 
-__all__ = ["RECORDED", "diff", "main", "snapshot"]
+__all__ = ["diff", "main", "recorded", "snapshot"]
 
 #: Classes whose public methods (and constructor) kvblocks.vllm stands in for or calls.
 ALL_METHODS = (
@@ -89,6 +89,16 @@ def snapshot() -> dict[str, str]:
     return out
 
 
+def recorded(version: str) -> tuple[str, dict[str, str]]:
+    """The surface recorded from the supported release of ``version``'s series (the
+    newest's for a newer or unreadable version), and that release's version."""
+    found = series(version)
+    if found is None or not OLDEST_SERIES <= found <= NEWEST_SERIES:
+        found = NEWEST_SERIES
+    module = importlib.import_module(f"kvblocks.vllm._surface_{found[0]}_{found[1]}")
+    return module.VERSION, module.SURFACE
+
+
 def diff(installed: dict[str, str], recorded: dict[str, str]) -> list[str]:
     """One line per entry added, removed or changed from ``recorded`` to ``installed``."""
     lines = []
@@ -124,10 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.write.write_text(_module_text(installed, version), encoding="utf-8")
         print(f"recorded {len(installed)} entries of vLLM {version} in {args.write}")
         return 0
-    lines = diff(installed, RECORDED)
+    recorded_version, surface = recorded(version)
+    lines = diff(installed, surface)
     print(
-        f"vLLM {version} against the surface recorded from vLLM 0.33.0 "
-        f"({len(RECORDED)} entries): {len(lines) or 'no'} change{'s' * (len(lines) != 1)}"
+        f"vLLM {version} against the surface recorded from vLLM {recorded_version} "
+        f"({len(surface)} entries): {len(lines) or 'no'} change{'s' * (len(lines) != 1)}"
     )
     for line in lines:
         print(line)
@@ -205,6 +216,7 @@ def _module_text(surface: dict[str, str], version: str) -> str:
         f'"""What kvblocks.vllm relies on in vLLM {version}, recorded by\n'
         "``python -m kvblocks.vllm.check --write`` (see :mod:`kvblocks.vllm.check`).\n"
         'Generated: do not edit."""\n\n'
+        f"VERSION = {json.dumps(version)}\n\n"
         "SURFACE: dict[str, str] = {\n"
         f"{entries}"
         "}\n"

@@ -12,7 +12,7 @@ from typing import Any
 import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
-from kvblocks.vllm._version_check import newer_version_reason
+from kvblocks.vllm._version_check import installed_differences, newer_version_reason
 from kvblocks.vllm.config import ManagerArgs, config_reason
 from kvblocks.vllm.hybrid import HybridKVCacheManager
 from kvblocks.vllm.manager import KVCacheManager
@@ -32,12 +32,18 @@ logger = logging.getLogger("vllm.kvblocks")
 def unsupported_reason(*, vllm_config: Any = None, **kwargs: Any) -> str | None:
     """Why kvblocks cannot manage this configuration, or None when it can.
 
-    Takes the keyword arguments vLLM 0.33.0's Scheduler passes to ``KVCacheManager``
+    Takes the keyword arguments vLLM's Scheduler passes to ``KVCacheManager``
     (:class:`~kvblocks.vllm.config.ManagerArgs`), plus the Scheduler's ``vllm_config``
     when known (for aux outputs and connectors).
     """
     # A newer vLLM may pass arguments ManagerArgs does not know: checked first.
-    reason = newer_version_reason() or ManagerArgs(**kwargs).unsupported_reason()
+    reason = newer_version_reason()
+    if reason is not None:
+        return reason
+    args = ManagerArgs(**kwargs)
+    reason = args.unsupported_reason() or installed_differences().unsupported_reason(
+        single_full_attention_group=args.single_full_attention_group()
+    )
     if reason is None and vllm_config is not None:
         return config_reason(vllm_config)
     return reason
@@ -48,7 +54,7 @@ def make_kv_cache_manager(
 ) -> KVCacheManager | HybridKVCacheManager | VllmKVCacheManager:
     """kvblocks' manager for a supported configuration, vLLM's own otherwise.
 
-    Takes exactly the keyword arguments vLLM 0.33.0's Scheduler passes to
+    Takes exactly the keyword arguments vLLM's Scheduler (0.31 to 0.33) passes to
     ``KVCacheManager`` (and, from kvblocks' schedulers, ``vllm_config``). The reason for
     a fallback is logged once, at INFO.
     """

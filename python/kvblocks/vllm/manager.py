@@ -24,6 +24,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks._native import KVCacheBlocks, KVCacheBlockView, VllmKVCacheManager
+from kvblocks.vllm._version_check import installed_differences
 from kvblocks.vllm.config import ManagerArgs
 
 __all__ = ["BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager"]
@@ -336,6 +337,10 @@ class KVCacheCoordinator(CoordinatorCalls):
         hits = block_ids(new_computed_blocks[0]) if new_computed_blocks else []
         return self._manager.num_blocks_to_allocate(request_id, num_tokens, hits)
 
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """The manager's :meth:`KVCacheManager.get_num_common_prefix_blocks`."""
+        return self._manager.get_num_common_prefix_blocks(running_request_id)
+
 
 def event_metadata(config: ManagerArgs) -> tuple[tuple[str, int | None], ...]:
     """vLLM's ``kv_cache_event_metadata``: per group, the ``kv_cache_spec_kind`` and the
@@ -417,6 +422,14 @@ class ManagerSurface:
         """Mamba only: ``[]``."""
         return []
 
+    def get_zeroing_block_ids_in_range(
+        self, request_id: str, start_token: int, end_token: int
+    ) -> list[int]:
+        """vLLM 0.31: the request's blocks over ``[start_token, end_token)`` in groups
+        whose new blocks are zeroed. No group of a layout kvblocks manages is (layouts
+        that need zeroing fall back): ``[]``."""
+        return []
+
     def take_new_block_ids(self) -> list[int]:
         """No zeroing without Mamba groups: ``[]``."""
         return []
@@ -455,6 +468,7 @@ class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
             admission_statuses=list(ADMISSION_STATUSES),
             event_structs=vllm_events,
             kv_cache_spec_kind=event_metadata(config)[0][0],
+            caps_caching_at_hashed_tokens=installed_differences().caps_caching_at_hashed_tokens,
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -489,6 +503,13 @@ class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
         """Full attention skips no tokens."""
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """vLLM 0.31: the leading blocks of the request that every request holding
+        blocks shares (for cascade attention). Later releases deprecate it: ``[0]``."""
+        if installed_differences().counts_common_prefix_blocks:
+            return [self.num_common_prefix_blocks(running_request_id)]
+        return [0]
 
 
 def spec_kind(spec: KVCacheSpec) -> str:

@@ -51,6 +51,25 @@ pub enum Tolerance {
     Vllm,
 }
 
+/// The rules that differ between the vLLM releases a manager can stand in for (the
+/// default is the newest's); each field names one difference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseRules {
+    /// vLLM 0.33 on: `cache_blocks` caches no block past the request's hashed tokens.
+    /// Before, it counts every full block of `num_computed_tokens` as cached, and
+    /// fails indexing the hash of a table block that has none, after caching those
+    /// before it.
+    pub caps_caching_at_hashed_tokens: bool,
+}
+
+impl Default for ReleaseRules {
+    fn default() -> Self {
+        Self {
+            caps_caching_at_hashed_tokens: true,
+        }
+    }
+}
+
 /// The optional arguments of [`KVCacheManager::allocate_slots`], vLLM's defaults
 /// being `Default::default()` (with `num_new_tokens` set by the caller).
 // One field per keyword argument of vLLM's `allocate_slots`, flags included.
@@ -245,6 +264,7 @@ pub struct KVCacheManager {
     /// Free blocks admissions leave untouched while other requests are scheduled.
     watermark_blocks: usize,
     tolerance: Tolerance,
+    release_rules: ReleaseRules,
     requests: FxHashMap<String, RequestBlocks>,
 }
 
@@ -273,8 +293,14 @@ impl KVCacheManager {
             stats: log_stats.then(PrefixCacheStats::default),
             watermark_blocks: 0,
             tolerance: Tolerance::Strict,
+            release_rules: ReleaseRules::default(),
             requests: FxHashMap::default(),
         })
+    }
+
+    /// Sets the rules of the vLLM release the manager stands in for.
+    pub fn set_release_rules(&mut self, rules: ReleaseRules) {
+        self.release_rules = rules;
     }
 
     /// Sets what the manager does with arguments outside the documented domain.
@@ -591,13 +617,13 @@ impl KVCacheManager {
         let state = self.requests.get(request.request_id);
         let blocks = state.map_or(&[][..], |s| &s.blocks);
         let num_cached = state.and_then(|s| s.num_cached).unwrap_or(0);
-        let num_hashed = signed(
-            request
-                .block_hashes
-                .num_hashes()
-                .saturating_mul(self.block_size),
-        );
-        let full = full_blocks_in(num_computed_tokens.min(num_hashed), self.block_size);
+        let num_hashes = request.block_hashes.num_hashes();
+        let cap = if self.release_rules.caps_caching_at_hashed_tokens {
+            signed(num_hashes.saturating_mul(self.block_size))
+        } else {
+            i64::MAX
+        };
+        let full = full_blocks_in(num_computed_tokens.min(cap), self.block_size);
         if num_cached >= full {
             return Ok(());
         }
@@ -609,9 +635,12 @@ impl KVCacheManager {
         }
         let tokens = full.saturating_mul(self.block_size);
         let plan = self.plan_caching(request, blocks, num_cached, tokens, blocks.len())?;
-        if full > blocks.len() && self.pool.events().is_enabled() {
-            // vLLM caches the blocks there, then fails indexing the missing ones for
-            // its BlockStored event: nothing recorded, the count not updated.
+        // Before vLLM 0.33, a table block without a hash fails the indexing of its hash.
+        let unhashed_in_table = full.min(blocks.len()) > num_hashes;
+        if (full > blocks.len() && self.pool.events().is_enabled()) || unhashed_in_table {
+            // vLLM caches the blocks there, then fails indexing the missing ones (for
+            // its BlockStored event, or their hashes): nothing recorded, the count not
+            // updated.
             if let Some(plan) = &plan {
                 let to_cache = blocks.get(plan.range.clone()).unwrap_or_default();
                 self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
@@ -783,6 +812,26 @@ impl KVCacheManager {
             )));
         }
         Ok(slice_end(blocks, num_hits))
+    }
+
+    /// The leading blocks of the request's table that every request holding a table
+    /// shares: those whose ref count is the number of tables (vLLM 0.31's
+    /// `get_num_common_prefix_blocks`, for cascade attention). An unknown request gets
+    /// an empty table first, as vLLM's `defaultdict` gives it one. Without prefix
+    /// caching, vLLM's coordinator counts nothing: 0.
+    pub fn num_common_prefix_blocks(&mut self, request_id: &str) -> usize {
+        if !self.enable_caching() {
+            return 0;
+        }
+        if !self.requests.contains_key(request_id) {
+            self.requests
+                .insert(request_id.to_owned(), RequestBlocks::default());
+        }
+        let holders = self.requests.len();
+        self.get_block_ids(request_id)
+            .iter()
+            .take_while(|&&b| usize::try_from(self.pool.ref_cnt_of(b)).is_ok_and(|n| n == holders))
+            .count()
     }
 
     /// The request's block table (empty for an unknown request).

@@ -9,7 +9,9 @@ mod common;
 
 use common::Source;
 use kvblocks_core::events::EventRecord;
-use kvblocks_core::manager::{KVCacheManager, Lookup, PrefixCacheStats, SlotRequest, Tolerance};
+use kvblocks_core::manager::{
+    KVCacheManager, Lookup, PrefixCacheStats, ReleaseRules, SlotRequest, Tolerance,
+};
 use kvblocks_core::request::RequestView;
 use kvblocks_core::{BlockHash, Error};
 
@@ -597,4 +599,89 @@ fn truncating_a_lookup_is_vllms_aligned_slice() {
         mgr.truncated_hits(3, 16),
         Err(Error::Assertion(_))
     ));
+}
+
+/// A vLLM-tolerant manager under the rules of vLLM 0.31 and 0.32.
+fn older_release_manager(num_blocks: i64) -> KVCacheManager {
+    let mut mgr = vllm_manager(num_blocks);
+    mgr.set_release_rules(ReleaseRules {
+        caps_caching_at_hashed_tokens: false,
+    });
+    mgr
+}
+
+#[test]
+fn before_0_33_caching_counts_blocks_past_the_hashes() {
+    // 0.31/0.32: num_full_blocks = num_tokens // block_size, not capped by the hashes.
+    // A request without blocks and 1 hash, cached to 9 tokens: 9 // 4 = 2 counted.
+    let s = source(5);
+    let mut older = older_release_manager(8);
+    older.cache_blocks(&view("q", 0, &s), 9).unwrap();
+    assert_eq!(older.cached_block_counts().collect::<Vec<_>>(), [("q", 2)]);
+    // 0.33: min(9, 1 * 4) // 4 = 1.
+    let mut newest = vllm_manager(8);
+    newest.cache_blocks(&view("q", 0, &s), 9).unwrap();
+    assert_eq!(newest.cached_block_counts().collect::<Vec<_>>(), [("q", 1)]);
+}
+
+#[test]
+fn before_0_33_a_table_block_without_a_hash_fails_after_those_before_it() {
+    // 3 blocks held, 2 hashes (9 tokens): caching 12 tokens hashes blocks 0 and 1, then
+    // vLLM 0.31 indexes block_hashes[2]: IndexError, the count not updated.
+    let s = source(9);
+    let mut mgr = older_release_manager(8);
+    let delayed = SlotRequest {
+        delay_cache_blocks: true,
+        ..new_tokens(12)
+    };
+    let table = mgr
+        .allocate_slots(&view("r", 0, &s), &delayed)
+        .unwrap()
+        .unwrap();
+    let err = mgr.cache_blocks(&view("r", 0, &s), 12).unwrap_err();
+    assert!(matches!(err, Error::Index(_)), "{err:?}");
+    let pool = mgr.block_pool();
+    assert_eq!(
+        table
+            .iter()
+            .map(|&b| pool.block_is_cached(b))
+            .collect::<Vec<_>>(),
+        [true, true, false]
+    );
+    assert_eq!(mgr.estimate_cached_tokens("r"), 8);
+    assert!(mgr.cached_block_counts().all(|(_, n)| n == 0));
+}
+
+#[test]
+fn common_prefix_blocks_are_those_every_table_holds() {
+    // vLLM 0.31: leading blocks whose ref count is the number of tables. Two requests
+    // share 2 blocks of prefix; the third block is each one's own.
+    let s = source(12);
+    let mut mgr = vllm_manager(16);
+    mgr.allocate_slots(&view("a", 0, &s), &new_tokens(12))
+        .unwrap();
+    let (hits, _) = mgr.get_computed_blocks(&view("b", 0, &s)).unwrap();
+    let hits: Vec<i64> = hits.iter().map(|&b| i64::from(b)).collect();
+    assert_eq!(hits.len(), 2);
+    let shared = SlotRequest {
+        new_computed_blocks: &hits,
+        num_new_computed_tokens: 8,
+        ..new_tokens(4)
+    };
+    mgr.allocate_slots(&view("b", 0, &s), &shared).unwrap();
+    assert_eq!(mgr.num_common_prefix_blocks("a"), 2);
+    // An unknown request gets an empty table (vLLM's defaultdict): now nothing is
+    // held by all three.
+    assert_eq!(mgr.num_common_prefix_blocks("ghost"), 0);
+    assert_eq!(mgr.num_requests(), 3);
+    assert_eq!(mgr.num_common_prefix_blocks("a"), 0);
+    // Without prefix caching, vLLM's coordinator counts nothing.
+    let mut uncached = KVCacheManager::new(16, BS, false, Some(1024), true).unwrap();
+    uncached.set_tolerance(Tolerance::Vllm);
+    uncached
+        .allocate_slots(&view("a", 0, &s), &new_tokens(12))
+        .unwrap();
+    assert_eq!(uncached.num_common_prefix_blocks("a"), 0);
+    assert_eq!(uncached.num_common_prefix_blocks("ghost"), 0);
+    assert_eq!(uncached.num_requests(), 1);
 }

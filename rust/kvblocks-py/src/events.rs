@@ -31,6 +31,9 @@ use crate::request::PyRequest;
 const FULL_ATTENTION: &str = "full_attention";
 /// `medium` of every event.
 const MEDIUM_GPU: &str = "GPU";
+/// The fields each `BlockStored` and `BlockRemoved` is built with, positionally.
+const STORED_ARGS: usize = 11;
+const REMOVED_ARGS: usize = 3;
 /// The module with the event structs and the shared helpers.
 const EVENTS_MODULE: &str = "kvblocks.events";
 
@@ -111,8 +114,10 @@ impl EventState {
     /// `BlockStored.kv_cache_spec_kind` set to `spec_kind` (`"full_attention"` if none).
     ///
     /// # Errors
-    /// `TypeError` when a class's `__struct_fields__` differ from `kvblocks.events`'
-    /// (the events are built positionally).
+    /// `TypeError` when a class's `__struct_fields__` are not `kvblocks.events`' or a
+    /// prefix of them that holds every field the events are built with (they are built
+    /// positionally; an older vLLM's `BlockStored` lacks the trailing
+    /// `lookahead_token_ids`, which stays at its default).
     pub fn build_as(
         &mut self,
         module: &Bound<'_, PyAny>,
@@ -121,18 +126,19 @@ impl EventState {
         let py = module.py();
         let spec_kind = spec_kind.unwrap_or_else(|| FULL_ATTENTION.to_owned());
         let structs = EventStructs::of(module, spec_kind)?;
-        let pairs = [
-            (&structs.stored, &self.structs.stored),
-            (&structs.removed, &self.structs.removed),
-            (&structs.cleared, &self.structs.cleared),
+        let classes = [
+            (&structs.stored, &self.structs.stored, STORED_ARGS),
+            (&structs.removed, &self.structs.removed, REMOVED_ARGS),
+            (&structs.cleared, &self.structs.cleared, 0),
         ];
-        for (theirs, ours) in pairs {
+        for (theirs, ours, num_args) in classes {
             let (theirs, ours) = (theirs.bind(py), ours.bind(py));
-            let their_fields = theirs.getattr("__struct_fields__")?;
-            let our_fields = ours.getattr("__struct_fields__")?;
-            if !their_fields.eq(&our_fields)? {
+            let their_fields: Vec<String> = theirs.getattr("__struct_fields__")?.extract()?;
+            let our_fields: Vec<String> = ours.getattr("__struct_fields__")?.extract()?;
+            if their_fields.len() < num_args || !our_fields.starts_with(&their_fields) {
                 return Err(PyTypeError::new_err(format!(
-                    "{theirs} has the fields {their_fields}, not those of {ours}, {our_fields}"
+                    "{theirs} has the fields {their_fields:?}, not those of {ours}, \
+                     {our_fields:?} (or their first {num_args} or more)"
                 )));
             }
         }

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use hashbrown::HashMap;
 use kvblocks_core::events::EventLog;
-use kvblocks_core::manager::{Lookup, SlotRequest, Tolerance};
+use kvblocks_core::manager::{Lookup, ReleaseRules, SlotRequest, Tolerance};
 use kvblocks_core::pool::{BlockInfo, BlockPool, NULL_BLOCK_ID};
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
@@ -526,6 +526,8 @@ impl PyBlockView {
 ///         fields of ``kvblocks.events``, in the same order); ``None`` for kvblocks'.
 ///     kv_cache_spec_kind: ``BlockStored.kv_cache_spec_kind`` with ``event_structs``
 ///         (``"full_attention"`` when ``None``).
+///     caps_caching_at_hashed_tokens: vLLM 0.33 on: ``cache_blocks`` caches no block
+///         past the request's hashed tokens (``False``: the rule of 0.31 and 0.32).
 #[pyclass(
     extends = PyKVCacheManager,
     subclass,
@@ -609,9 +611,10 @@ impl PyVllmManager {
         signature = (
             num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE,
             log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
-            admission_statuses, event_structs=None, kv_cache_spec_kind=None
+            admission_statuses, event_structs=None, kv_cache_spec_kind=None,
+            caps_caching_at_hashed_tokens=Flag::TRUE
         ),
-        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, kv_cache_spec_kind=None)"
+        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, kv_cache_spec_kind=None, caps_caching_at_hashed_tokens=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -626,6 +629,7 @@ impl PyVllmManager {
         admission_statuses: &Bound<'_, PyAny>,
         event_structs: Option<&Bound<'_, PyAny>>,
         kv_cache_spec_kind: Option<String>,
+        caps_caching_at_hashed_tokens: Flag,
     ) -> PyResult<PyClassInitializer<Self>> {
         // Converted by the binding's own reader: never sized from a claimed length.
         let admission_statuses = int_column(admission_statuses)?.into_vec();
@@ -640,6 +644,9 @@ impl PyVllmManager {
             Flag::FALSE,
         )?;
         base.inner.set_tolerance(Tolerance::Vllm);
+        base.inner.set_release_rules(ReleaseRules {
+            caps_caching_at_hashed_tokens: caps_caching_at_hashed_tokens.0,
+        });
         base.inner.set_watermark(watermark).py()?;
         if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
             events.build_as(module, kv_cache_spec_kind)?;
@@ -835,6 +842,13 @@ impl PyVllmManager {
             .truncated_hits(ids.len(), num_computed_tokens)
             .py()?;
         Self::blocks_of(slf, ids[..n].to_vec())
+    }
+
+    /// The leading blocks of the request's table that every request holding a table
+    /// shares (vLLM 0.31's cascade-attention count); an unknown request gets an empty
+    /// table first, as vLLM's ``defaultdict`` gives it one.
+    fn num_common_prefix_blocks(mut slf: PyRefMut<'_, Self>, request_id: &str) -> usize {
+        slf.as_super().inner.num_common_prefix_blocks(request_id)
     }
 
     /// The ids of the requests that hold a block table (vLLM's ``req_to_blocks`` keys).
