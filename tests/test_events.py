@@ -562,6 +562,7 @@ def test_the_vllm_adapter_takes_an_older_block_stored() -> None:
     )
     (stored,) = vllm_adapter_manager(event_structs=structs).take_events()
     assert type(stored) is older
+    assert isinstance(stored, msgspec.Struct)
     assert msgspec.structs.asdict(stored)["token_ids"] == list(range(8))
     structs.BlockStored = _block_stored_without("lookahead_token_ids", "lora_name")
     with pytest.raises(TypeError, match=r"BlockStored.* has the fields .*, not those of"):
