@@ -427,8 +427,9 @@ def test_comparison_reports_another_releases_rules(
     if harness.VLLM_SERIES != (0, 31):
         pytest.skip("only vLLM 0.31's Scheduler asks for the common-prefix count")
     import kvblocks.vllm.manager as kvblocks_manager  # noqa: PLC0415 (the candidate fixture checked it imports)
+    from kvblocks.vllm._version_check import installed_differences  # noqa: PLC0415
 
-    installed = kvblocks_manager.installed_differences()
+    installed = installed_differences()
     planted = dataclasses.replace(
         installed, counts_common_prefix_blocks=not installed.counts_common_prefix_blocks
     )
