@@ -62,8 +62,11 @@ def use_native_hasher(request: Request, hasher: BlockHasher | None) -> None:
         return
     if getattr(request, "prompt_embeds", None) is not None:
         return
-    # The native hasher returns vLLM's BlockHash values (bytes), typed as bytes.
-    request._block_hasher = hasher  # type: ignore[assignment]
+    # The bound method, not the hasher: calling an instance goes through the type's
+    # generic __call__ lookup (about 80 ns more per appended token), a bound builtin
+    # method is called directly. The native hasher returns vLLM's BlockHash values
+    # (bytes), typed as bytes.
+    request._block_hasher = hasher.__call__  # type: ignore[assignment]
 
 
 def log_fallback(reason: str | None) -> None:
