@@ -407,7 +407,7 @@ def stub_hand_written() -> str:
 # ---------------------------------------------------------------------------- Rust signatures
 
 BINDING = REPO / "rust" / "kvblocks-py" / "src"
-#: Rust defaults that stand for a Python value (`convert.rs`, `rollback.rs`).
+#: Rust defaults that stand for a Python value (`convert/mod.rs`, `rollback.rs`).
 RUST_DEFAULTS: dict[str, object] = {
     "true": True,
     "false": False,
@@ -415,8 +415,8 @@ RUST_DEFAULTS: dict[str, object] = {
     "Flag::TRUE": True,
     "Flag::FALSE": False,
     "BoolField::FALSE": False,
-    "ModeArg::VLLM": "vllm",
-    "PolicyArg::FAIL": "fail",
+    "ChoiceArg::default(Mode::Vllm)": "vllm",
+    "ChoiceArg::default(Policy::Fail)": "fail",
 }
 #: A Rust default the binding applies in code: the Python default is not written there.
 GIVEN_ABSENT = "Given::Absent"

@@ -27,55 +27,63 @@ use crate::convert::{
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
-/// `mode="vllm" | "strict"`. Extraction never fails, so that a bad value is refused
-/// inside the call with the reference's exact message (`PyO3` would annotate an
-/// extraction error with a note the reference does not add).
-pub struct ModeArg(Result<Mode, String>);
+/// A keyword argument naming one value of a core enum (`mode=`, `policy=`).
+/// Extraction never fails, so that a bad value is refused inside the call with the
+/// reference's exact message (`PyO3` would annotate an extraction error with a note the
+/// reference does not add).
+pub struct ChoiceArg<T>(Result<T, String>);
 
-impl ModeArg {
-    const VLLM: Self = Self(Ok(Mode::Vllm));
+/// A core enum taken by name.
+pub trait Choice: Copy {
+    /// The keyword.
+    const ARGUMENT: &'static str;
+    /// The names it takes, as the error message lists them.
+    const EXPECTED: &'static str;
+    /// The value of that name.
+    fn from_name(name: &str) -> Option<Self>;
+}
 
-    fn get(&self) -> PyResult<Mode> {
+impl Choice for Mode {
+    const ARGUMENT: &'static str = "mode";
+    const EXPECTED: &'static str = "'vllm' or 'strict'";
+    fn from_name(name: &str) -> Option<Self> {
+        Mode::from_name(name)
+    }
+}
+
+impl Choice for Policy {
+    const ARGUMENT: &'static str = "policy";
+    const EXPECTED: &'static str = "'fail' or 'recompute'";
+    fn from_name(name: &str) -> Option<Self> {
+        Policy::from_name(name)
+    }
+}
+
+impl<T: Choice> ChoiceArg<T> {
+    const fn default(value: T) -> Self {
+        Self(Ok(value))
+    }
+
+    fn get(&self) -> PyResult<T> {
         self.0.clone().map_err(|got| {
-            PyValueError::new_err(format!("mode must be 'vllm' or 'strict', got {got}"))
+            PyValueError::new_err(format!(
+                "{} must be {}, got {got}",
+                T::ARGUMENT,
+                T::EXPECTED
+            ))
         })
     }
 }
 
-impl<'a, 'py> FromPyObject<'a, 'py> for ModeArg {
+impl<'a, 'py, T: Choice> FromPyObject<'a, 'py> for ChoiceArg<T> {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let name = obj
+        let value = obj
             .cast::<PyString>()
             .ok()
-            .and_then(|s| s.to_str().ok().and_then(Mode::from_name));
-        Ok(Self(name.ok_or_else(|| repr(obj))))
-    }
-}
-
-/// `policy="fail" | "recompute"`, validated inside the call like [`ModeArg`].
-pub struct PolicyArg(Result<Policy, String>);
-
-impl PolicyArg {
-    const FAIL: Self = Self(Ok(Policy::Fail));
-
-    fn get(&self) -> PyResult<Policy> {
-        self.0.clone().map_err(|got| {
-            PyValueError::new_err(format!("policy must be 'fail' or 'recompute', got {got}"))
-        })
-    }
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let name = obj
-            .cast::<PyString>()
-            .ok()
-            .and_then(|s| s.to_str().ok().and_then(Policy::from_name));
-        Ok(Self(name.ok_or_else(|| repr(obj))))
+            .and_then(|s| s.to_str().ok().and_then(T::from_name));
+        Ok(Self(value.ok_or_else(|| repr(obj))))
     }
 }
 
@@ -285,7 +293,7 @@ fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
 #[pyo3(
     signature = (
         block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size,
-        *, collect_evictions=Flag::TRUE, mode=ModeArg::VLLM
+        *, collect_evictions=Flag::TRUE, mode=ChoiceArg::default(Mode::Vllm)
     ),
     text_signature = None
 )]
@@ -297,7 +305,7 @@ pub fn rollback_invalid_blocks(
     invalid_block_ids: &Bound<'_, PyAny>,
     block_size: i64,
     collect_evictions: Flag,
-    mode: ModeArg,
+    mode: ChoiceArg<Mode>,
 ) -> PyResult<PyRollbackResult> {
     let mode = mode.get()?;
     let tables = table_columns(block_tables)?;
@@ -520,7 +528,7 @@ fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
 #[doc = docstring!(update_requests_with_invalid_blocks)]
 #[pyfunction]
 #[pyo3(
-    signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=Flag::TRUE, mode=ModeArg::VLLM),
+    signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=Flag::TRUE, mode=ChoiceArg::default(Mode::Vllm)),
     text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
@@ -531,7 +539,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     invalid_block_ids: &Bound<'py, PyAny>,
     num_scheduled_tokens: &Bound<'py, PyAny>,
     evict_blocks: Flag,
-    mode: ModeArg,
+    mode: ChoiceArg<Mode>,
 ) -> PyResult<(Bound<'py, PySet>, u128, Bound<'py, PySet>)> {
     let mode = mode.get()?;
     check_single_group(kv_cache_manager)?;
@@ -581,7 +589,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
 #[pyo3(
     signature = (
         kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running,
-        waiting_for_remote_kvs=Given::Absent, policy=PolicyArg::FAIL, mode=ModeArg::VLLM
+        waiting_for_remote_kvs=Given::Absent, policy=ChoiceArg::default(Policy::Fail), mode=ChoiceArg::default(Mode::Vllm)
     ),
     text_signature = None
 )]
@@ -594,8 +602,8 @@ pub fn handle_invalid_blocks<'py>(
     num_scheduled_tokens: &Bound<'py, PyAny>,
     running: &Bound<'py, PyAny>,
     waiting_for_remote_kvs: Given<'py>,
-    policy: PolicyArg,
-    mode: ModeArg,
+    policy: ChoiceArg<Policy>,
+    mode: ChoiceArg<Mode>,
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let (policy, mode) = (policy.get()?, mode.get()?);
     // Fail closed before any request is looked at, as vLLM does.
@@ -663,14 +671,14 @@ pub fn handle_invalid_blocks<'py>(
 #[doc = docstring!(handle_failed_recving)]
 #[pyfunction]
 #[pyo3(
-    signature = (failed_req_ids, waiting_for_remote_kvs, *, policy=PolicyArg::FAIL),
+    signature = (failed_req_ids, waiting_for_remote_kvs, *, policy=ChoiceArg::default(Policy::Fail)),
     text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
 pub fn handle_failed_recving(
     failed_req_ids: &Bound<'_, PyAny>,
     waiting_for_remote_kvs: &Bound<'_, PyAny>,
-    policy: PolicyArg,
+    policy: ChoiceArg<Policy>,
 ) -> PyResult<PyInvalidBlocksOutcome> {
     let policy = policy.get()?;
     let py = failed_req_ids.py();
