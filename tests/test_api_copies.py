@@ -87,7 +87,7 @@ def test_binding_signatures_match_the_reference(api_copies: ModuleType) -> None:
 def test_a_renamed_rust_parameter_is_a_mismatch(
     api_copies: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    for source in api_copies.BINDING.glob("*.rs"):
+    for source in api_copies.BINDING.rglob("*.rs"):
         text = source.read_text(encoding="utf-8")
         if source.name == "pool.rs":
             edited = text.replace(
@@ -98,7 +98,9 @@ def test_a_renamed_rust_parameter_is_a_mismatch(
                 "signature = (block_hashes, kv_cache_group_id=0)",
                 "signature = (block_hashes, kv_cache_group_id=1)",
             )
-        (tmp_path / source.name).write_text(text, encoding="utf-8")
+        copy = tmp_path / source.relative_to(api_copies.BINDING)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(text, encoding="utf-8")
     monkeypatch.setattr(api_copies, "BINDING", tmp_path)
     assert api_copies.signature_mismatches(reference) == [
         "BlockPool.get_new_blocks: the reference has [('n', False, '<required>')], "

@@ -407,7 +407,7 @@ def stub_hand_written() -> str:
 # ---------------------------------------------------------------------------- Rust signatures
 
 BINDING = REPO / "rust" / "kvblocks-py" / "src"
-#: Rust defaults that stand for a Python value (`convert/mod.rs`, `rollback.rs`).
+#: Rust defaults that stand for a Python value (`convert/mod.rs`, `convert/choice.rs`).
 RUST_DEFAULTS: dict[str, object] = {
     "true": True,
     "false": False,
@@ -486,7 +486,7 @@ def rust_signatures() -> dict[str, list[Param]]:
     ``#[new]`` of a class, a method, a function."""
     found: dict[str, list[Param]] = {}
     item = re.compile(r"(?:pub(?:\(crate\))? )?fn \w+(?:<[^>]*>)?\(")
-    for path in sorted(BINDING.glob("*.rs")):
+    for path in sorted(BINDING.rglob("*.rs")):
         text = path.read_text(encoding="utf-8")
         for impl in re.finditer(r"#\[pymethods\]\s*impl (\w+) \{", text):
             cls = class_of_struct(text, impl.group(1))

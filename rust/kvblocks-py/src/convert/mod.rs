@@ -17,9 +17,11 @@
 //! (`pool.rs`) and the manager (`manager.rs`) refer to each other.
 
 mod buffer;
+mod choice;
 mod hashes;
 mod ints;
 
+pub use choice::ChoiceArg;
 pub use hashes::{block_hash, block_hashes, hash_bytes, HashSeq};
 pub use ints::{int_column, token_id, token_ids, IntColumn};
 

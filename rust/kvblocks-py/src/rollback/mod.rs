@@ -1,0 +1,300 @@
+//! The rollback entry points for Python: gather columns, call
+//! `kvblocks_core::rollback`, write the decided token counts back.
+//!
+//! The core decides everything before anything is written, so a call that raises
+//! changes nothing. With a native `KVCacheManager` the block tables are read in place
+//! from Rust; any other manager is asked through `get_block_ids`, once per request.
+//!
+//! One file per job: the entry points here, the result classes (`outcome.rs`), and the
+//! requests' columns and write-back target the core reads (`columns.rs`).
+
+// The Python-visible items' docs are the reference's docstrings (reST, from
+// `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
+#![allow(clippy::doc_markdown)]
+
+mod columns;
+mod outcome;
+
+pub use outcome::{PyInvalidBlocksOutcome, PyRollbackResult};
+
+use std::collections::HashSet;
+
+use kvblocks_core::manager::Tolerance;
+use kvblocks_core::rollback::{self, Batch, Mode, Pass, Policy};
+use pyo3::prelude::*;
+use pyo3::types::PySet;
+
+use crate::convert::{int_column, request_id, to_list, ChoiceArg, Flag, Given, IntColumn};
+use crate::errors::{IntoPyResult, StashedError};
+use crate::manager::PyKVCacheManager;
+use columns::{check_unique, fetch_tables, RequestColumns, Target};
+use outcome::ordered_set;
+
+/// Every table of a batch, as integer columns borrowed or converted from Python.
+fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
+    to_list(block_tables)?
+        .iter()
+        .map(|t| int_column(&t))
+        .collect()
+}
+
+#[doc = docstring!(rollback_invalid_blocks)]
+#[pyfunction]
+#[pyo3(
+    signature = (
+        block_tables, num_computed_tokens, num_scheduled_tokens, invalid_block_ids, block_size,
+        *, collect_evictions=Flag::TRUE, mode=ChoiceArg::default(Mode::Vllm)
+    ),
+    text_signature = None
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn rollback_invalid_blocks(
+    block_tables: &Bound<'_, PyAny>,
+    num_computed_tokens: &Bound<'_, PyAny>,
+    num_scheduled_tokens: &Bound<'_, PyAny>,
+    invalid_block_ids: &Bound<'_, PyAny>,
+    block_size: i64,
+    collect_evictions: Flag,
+    mode: ChoiceArg<Mode>,
+) -> PyResult<PyRollbackResult> {
+    let mode = mode.get()?;
+    let tables = table_columns(block_tables)?;
+    let computed = int_column(num_computed_tokens)?;
+    let scheduled = int_column(num_scheduled_tokens)?;
+    let invalid = int_column(invalid_block_ids)?;
+    let views: Vec<&[i64]> = tables.iter().map(|t| &**t).collect();
+    let batch = Batch {
+        block_tables: &views,
+        num_computed_tokens: &computed,
+        num_scheduled_tokens: &scheduled,
+    };
+    rollback::rollback_invalid_blocks(
+        batch,
+        &invalid,
+        block_size,
+        collect_evictions.0,
+        mode,
+        Tolerance::Strict,
+    )
+    .py()
+    .map(PyRollbackResult::from)
+}
+
+/// The manager's tolerance: vLLM's for the manager built for vLLM's scheduler.
+fn tolerance(native: Option<&PyKVCacheManager>) -> Tolerance {
+    native.map_or(Tolerance::Strict, |m| m.inner.tolerance())
+}
+
+fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match manager.getattr_opt("num_kv_cache_groups")? {
+        Some(n) => n.extract(),
+        None => Ok(1),
+    }
+}
+
+fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
+    rollback::check_single_group(num_kv_cache_groups(manager)?).py()
+}
+
+#[doc = docstring!(update_requests_with_invalid_blocks)]
+#[pyfunction]
+#[pyo3(
+    signature = (kv_cache_manager, requests, invalid_block_ids, num_scheduled_tokens, *, evict_blocks=Flag::TRUE, mode=ChoiceArg::default(Mode::Vllm)),
+    text_signature = None
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn update_requests_with_invalid_blocks<'py>(
+    py: Python<'py>,
+    kv_cache_manager: &Bound<'py, PyAny>,
+    requests: &Bound<'py, PyAny>,
+    invalid_block_ids: &Bound<'py, PyAny>,
+    num_scheduled_tokens: &Bound<'py, PyAny>,
+    evict_blocks: Flag,
+    mode: ChoiceArg<Mode>,
+) -> PyResult<(Bound<'py, PySet>, u128, Bound<'py, PySet>)> {
+    let mode = mode.get()?;
+    check_single_group(kv_cache_manager)?;
+    let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
+    check_unique(requests.py(), &cols.ids, &mut HashSet::new())?;
+    let native = kv_cache_manager
+        .cast::<PyKVCacheManager>()
+        .ok()
+        .map(Bound::try_borrow)
+        .transpose()?;
+    let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
+    let invalid = int_column(invalid_block_ids)?;
+    let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
+    let ids = tables.ids();
+    let batch = Batch {
+        block_tables: &ids,
+        num_computed_tokens: &cols.computed,
+        num_scheduled_tokens: &cols.scheduled,
+    };
+    let result = rollback::rollback_invalid_blocks(
+        batch,
+        &invalid,
+        block_size,
+        evict_blocks.0,
+        mode,
+        tolerance(native.as_deref()),
+    )
+    .py()?;
+    let sequence = result.eviction_sequence(&ids);
+    drop(native);
+    let to_evict = ordered_set(py, sequence.iter().copied())?;
+    let stash = StashedError::default();
+    let mut target = Target {
+        manager: Some(kv_cache_manager),
+        waiting: &[],
+        running: &cols.requests,
+        error: &stash,
+    };
+    let written = result.write(Pass::Running, &mut target);
+    stash.finish(written)?;
+    let affected = cols.id_set(py, &result.affected)?;
+    Ok((affected, result.total_affected_tokens, to_evict))
+}
+
+#[doc = docstring!(handle_invalid_blocks)]
+#[pyfunction]
+#[pyo3(
+    signature = (
+        kv_cache_manager, invalid_block_ids, num_scheduled_tokens, *, running,
+        waiting_for_remote_kvs=Given::Absent, policy=ChoiceArg::default(Policy::Fail), mode=ChoiceArg::default(Mode::Vllm)
+    ),
+    text_signature = None
+)]
+// The arguments are the Python signature (vLLM's, plus `py`); PyO3 extracts them by value.
+#[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)]
+pub fn handle_invalid_blocks<'py>(
+    py: Python<'py>,
+    kv_cache_manager: &Bound<'py, PyAny>,
+    invalid_block_ids: &Bound<'py, PyAny>,
+    num_scheduled_tokens: &Bound<'py, PyAny>,
+    running: &Bound<'py, PyAny>,
+    waiting_for_remote_kvs: Given<'py>,
+    policy: ChoiceArg<Policy>,
+    mode: ChoiceArg<Mode>,
+) -> PyResult<PyInvalidBlocksOutcome> {
+    let (policy, mode) = (policy.get()?, mode.get()?);
+    // Fail closed before any request is looked at, as vLLM does.
+    check_single_group(kv_cache_manager)?;
+    let waiting = match waiting_for_remote_kvs {
+        Given::Is(requests) => requests,
+        Given::Absent => pyo3::types::PyTuple::empty(py).into_any(),
+    };
+    let waiting = RequestColumns::gather(&waiting, num_scheduled_tokens)?;
+    let sync = RequestColumns::gather(running, num_scheduled_tokens)?;
+    let mut seen = HashSet::new();
+    check_unique(py, &waiting.ids, &mut seen)?;
+    check_unique(py, &sync.ids, &mut seen)?;
+
+    let native = kv_cache_manager
+        .cast::<PyKVCacheManager>()
+        .ok()
+        .map(Bound::try_borrow)
+        .transpose()?;
+    let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
+    let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
+    let invalid = int_column(invalid_block_ids)?;
+    let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
+    let (waiting_ids, sync_ids) = (waiting_tables.ids(), sync_tables.ids());
+    let outcome = rollback::handle_invalid_blocks(
+        Batch {
+            block_tables: &waiting_ids,
+            num_computed_tokens: &waiting.computed,
+            num_scheduled_tokens: &waiting.scheduled,
+        },
+        Batch {
+            block_tables: &sync_ids,
+            num_computed_tokens: &sync.computed,
+            num_scheduled_tokens: &sync.scheduled,
+        },
+        &invalid,
+        block_size,
+        policy,
+        mode,
+        tolerance(native.as_deref()),
+    )
+    .py()?;
+    let sequence = outcome.eviction_sequence(&sync_ids);
+    drop(native);
+
+    let stash = StashedError::default();
+    let mut target = Target {
+        manager: Some(kv_cache_manager),
+        waiting: &waiting.requests,
+        running: &sync.requests,
+        error: &stash,
+    };
+    let applied = outcome.apply(&sequence, &mut target);
+    stash.finish(applied)?;
+    Ok(PyInvalidBlocksOutcome {
+        failed_waiting: waiting.ids_of(outcome.failed_waiting()).collect(),
+        failed_running: sync.ids_of(outcome.failed_running()).collect(),
+        rescheduled_req_ids: sync.ids_of(outcome.rescheduled_running()).collect(),
+        retry_req_ids: waiting.ids_of(outcome.retry_waiting()).collect(),
+        evicted_block_ids: sequence,
+        total_affected_tokens: outcome.total_affected_tokens(),
+    })
+}
+
+#[doc = docstring!(handle_failed_recving)]
+#[pyfunction]
+#[pyo3(
+    signature = (failed_req_ids, waiting_for_remote_kvs, *, policy=ChoiceArg::default(Policy::Fail)),
+    text_signature = None
+)]
+#[allow(clippy::needless_pass_by_value)]
+pub fn handle_failed_recving(
+    failed_req_ids: &Bound<'_, PyAny>,
+    waiting_for_remote_kvs: &Bound<'_, PyAny>,
+    policy: ChoiceArg<Policy>,
+) -> PyResult<PyInvalidBlocksOutcome> {
+    let policy = policy.get()?;
+    let py = failed_req_ids.py();
+    // Every id is read once, as its exact contents: ids compare by content, never by a
+    // subclass's `__eq__` or `__hash__`.
+    let reported = to_list(failed_req_ids)?
+        .iter()
+        .map(|id| request_id(&id, "failed_req_ids item"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
+    let ids = waiting
+        .iter()
+        .map(|r| request_id(&r.getattr("request_id")?, "request_id"))
+        .collect::<PyResult<Vec<_>>>()?;
+    check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
+    let stash = StashedError::default();
+    let read = |i: usize| {
+        waiting[i]
+            .getattr("num_computed_tokens")
+            .and_then(|n| n.extract::<i64>())
+            .map_err(|err| stash.keep(err, "reading num_computed_tokens"))
+    };
+    let mut target = Target {
+        manager: None,
+        waiting: &waiting,
+        running: &[],
+        error: &stash,
+    };
+    let decided = rollback::handle_failed_recving(&reported, &ids, policy, read, &mut target);
+    let decided = stash.finish(decided)?;
+    let matched_ids: Vec<String> = decided
+        .matched
+        .iter()
+        .map(|&i| ids[i].to_string())
+        .collect();
+    let (failed_waiting, retry_req_ids) = match policy {
+        Policy::Recompute => (Vec::new(), matched_ids),
+        Policy::Fail => (matched_ids, Vec::new()),
+    };
+    Ok(PyInvalidBlocksOutcome {
+        failed_waiting,
+        failed_running: Vec::new(),
+        rescheduled_req_ids: Vec::new(),
+        retry_req_ids,
+        evicted_block_ids: Vec::new(),
+        total_affected_tokens: decided.total_affected_tokens,
+    })
+}
