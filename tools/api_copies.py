@@ -7,7 +7,7 @@ and signature of the backend is written. Two files are generated from it:
   callables' opening with their text signature, which the binding's items take as
   ``#[doc = docstring!(BlockPool.touch)]``;
 * ``python/kvblocks/_native.pyi``: the stub of ``kvblocks._native``, up to the hand-written
-  section on ``kvblocks.vllm``'s native half (whose docstrings live in ``vllm.rs`` only).
+  section on ``kvblocks.vllm``'s native half (whose docstrings live in ``vllm/`` only).
 
 The binding's ``#[pyo3(signature = ...)]`` is code, not a copy: ``--check`` compares its
 parameter names, kinds and defaults with the reference's.

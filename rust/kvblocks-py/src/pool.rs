@@ -15,7 +15,7 @@ use crate::convert::{
 };
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
-use crate::vllm_hybrid::PyHybridManager;
+use crate::vllm::PyHybridManager;
 
 #[doc = docstring!(KVCacheBlock)]
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlock", frozen, eq, hash)]

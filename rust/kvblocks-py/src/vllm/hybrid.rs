@@ -1,7 +1,7 @@
 //! The native half of `kvblocks.vllm`'s manager for several KV cache groups (full,
 //! sliding-window and chunked-local attention) or one local-attention group: vLLM
 //! 0.33.0's `KVCacheManager` methods with the Scheduler's arguments and result
-//! shapes, over the core's [`HybridManager`]. Requests are read as in `vllm.rs`.
+//! shapes, over the core's [`HybridManager`]. Requests are read as in `request.rs`.
 
 // The `///` comments of the Python-visible items are docstrings (reST, Google style),
 // not rustdoc markdown.
@@ -22,14 +22,14 @@ use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxBuildHasher;
 
+use super::{
+    block_ids_of, request_attr, request_flag, request_id, with_request_view, HashCache, PoolOwner,
+    PyBlockView, PyKVCacheBlocks, RequestEvents, VllmRequest,
+};
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::{build_events, EventState};
 use crate::pool::PyBlockPool;
-use crate::vllm::{
-    block_ids_of, request_attr, request_flag, request_id, with_request_view, HashCache, PoolOwner,
-    PyBlockView, PyKVCacheBlocks, RequestEvents, VllmRequest,
-};
 
 /// The native half of ``kvblocks.vllm.HybridKVCacheManager``: vLLM 0.33.0's
 /// ``KVCacheManager`` methods over several KV cache groups of one block size.

@@ -1,0 +1,24 @@
+//! vLLM's `KVCacheManager` surface for `kvblocks.vllm`: the native manager with
+//! the Scheduler's arguments and result shapes. Every decision is the core's; this
+//! module reads vLLM's `Request` (its block hashes once each, kept per request until it
+//! is freed) and hands block ids back in `KVCacheBlocks`, whose block views are built
+//! only when a connector reads `.blocks`.
+//!
+//! One file per job: the request reader (`request.rs`), the result classes
+//! (`blocks.rs`), the one-group manager (`manager.rs`) and the multi-group one
+//! (`hybrid.rs`).
+
+mod blocks;
+mod hybrid;
+mod manager;
+mod request;
+
+pub(crate) use blocks::PoolOwner;
+pub use blocks::{PyBlockView, PyKVCacheBlocks};
+pub use hybrid::PyHybridManager;
+pub(crate) use manager::block_ids_of;
+pub use manager::PyVllmManager;
+pub(crate) use request::{
+    request_attr, request_flag, request_id, with_request_view, HashCache, RequestEvents,
+    VllmRequest,
+};
