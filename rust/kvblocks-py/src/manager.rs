@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 use kvblocks_core::manager::{KVCacheManager as CoreManager, PrefixCacheStats, SlotRequest};
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
@@ -32,7 +33,11 @@ pub(crate) struct PyHashes<'py> {
 
 impl<'py> PyHashes<'py> {
     fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
-        Self::of(request.getattr("block_hashes")?.cast_into::<PySequence>()?)
+        Self::of(
+            request
+                .getattr(intern!(request.py(), "block_hashes"))?
+                .cast_into::<PySequence>()?,
+        )
     }
 
     /// The hashes of `seq` (a request's `block_hashes`).
@@ -116,9 +121,17 @@ impl<'py> RequestArg<'py> {
             return Ok(Self::Native(native.try_borrow()?));
         }
         Ok(Self::Duck {
-            request_id: request_id(&request.getattr("request_id")?, "request_id")?.to_string(),
-            num_tokens: request.getattr("num_tokens")?.extract()?,
-            num_computed_tokens: request.getattr("num_computed_tokens")?.extract()?,
+            request_id: request_id(
+                &request.getattr(intern!(request.py(), "request_id"))?,
+                "request_id",
+            )?
+            .to_string(),
+            num_tokens: request
+                .getattr(intern!(request.py(), "num_tokens"))?
+                .extract()?,
+            num_computed_tokens: request
+                .getattr(intern!(request.py(), "num_computed_tokens"))?
+                .extract()?,
             hashes: PyHashes::new(request)?,
         })
     }
@@ -382,7 +395,11 @@ impl PyKVCacheManager {
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id = match request.cast::<PyRequest>() {
             Ok(native) => native.try_borrow()?.request_id().to_owned(),
-            Err(_) => request_id(&request.getattr("request_id")?, "request_id")?.to_string(),
+            Err(_) => request_id(
+                &request.getattr(intern!(request.py(), "request_id"))?,
+                "request_id",
+            )?
+            .to_string(),
         };
         self.inner.free(&request_id).py()
     }

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 
 use kvblocks_core::rollback::{self, BlockIds, Pass, RollbackTarget};
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
@@ -60,9 +61,15 @@ impl<'py> RequestColumns<'py> {
             requests: Vec::new(),
         };
         for request in &requests {
-            let id = request_id(&request.getattr("request_id")?, "request_id")?;
-            cols.computed
-                .push(request.getattr("num_computed_tokens")?.extract()?);
+            let id = request_id(
+                &request.getattr(intern!(request.py(), "request_id"))?,
+                "request_id",
+            )?;
+            cols.computed.push(
+                request
+                    .getattr(intern!(request.py(), "num_computed_tokens"))?
+                    .extract()?,
+            );
             let scheduled = match &scheduled_map {
                 Some(map) => map.get_item(&*id)?,
                 None => num_scheduled_tokens.call_method1("get", (&*id, 0))?.into(),

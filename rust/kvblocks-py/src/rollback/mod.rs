@@ -21,6 +21,7 @@ use std::collections::HashSet;
 
 use kvblocks_core::manager::Tolerance;
 use kvblocks_core::rollback::{self, Batch, Mode, Pass, Policy};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PySet;
 
@@ -123,7 +124,9 @@ pub fn update_requests_with_invalid_blocks<'py>(
         .transpose()?;
     let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
     let invalid = int_column(invalid_block_ids)?;
-    let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
+    let block_size: i64 = kv_cache_manager
+        .getattr(intern!(kv_cache_manager.py(), "block_size"))?
+        .extract()?;
     let ids = tables.ids();
     let batch = Batch {
         block_tables: &ids,
@@ -197,7 +200,9 @@ pub fn handle_invalid_blocks<'py>(
     let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
     let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
     let invalid = int_column(invalid_block_ids)?;
-    let block_size: i64 = kv_cache_manager.getattr("block_size")?.extract()?;
+    let block_size: i64 = kv_cache_manager
+        .getattr(intern!(kv_cache_manager.py(), "block_size"))?
+        .extract()?;
     let (waiting_ids, sync_ids) = (waiting_tables.ids(), sync_tables.ids());
     let outcome = rollback::handle_invalid_blocks(
         Batch {
@@ -262,13 +267,13 @@ pub fn handle_failed_recving(
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
-        .map(|r| request_id(&r.getattr("request_id")?, "request_id"))
+        .map(|r| request_id(&r.getattr(intern!(r.py(), "request_id"))?, "request_id"))
         .collect::<PyResult<Vec<_>>>()?;
     check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();
     let read = |i: usize| {
         waiting[i]
-            .getattr("num_computed_tokens")
+            .getattr(intern!(py, "num_computed_tokens"))
             .and_then(|n| n.extract::<i64>())
             .map_err(|err| stash.keep(err, "reading num_computed_tokens"))
     };
