@@ -28,6 +28,7 @@ import importlib.util
 import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
+from functools import cache
 from types import SimpleNamespace
 from typing import Any, Protocol, TypeAlias
 
@@ -195,6 +196,7 @@ def count_faults(recipe: Recipe) -> int:
 # --------------------------------------------------------------------------- wrong types
 
 
+@cache
 def wrong_types() -> st.SearchStrategy[Recipe]:
     """Values of a type no argument of the API takes where an int, id or hash is due."""
     return st.sampled_from(
@@ -224,6 +226,7 @@ HUGE_INTS = [
 ]
 
 
+@cache
 def huge_ints() -> st.SearchStrategy[Recipe]:
     """Ints beyond 64 bits, at the edges of i32/u32/i64/u64, and negative ones."""
     return st.sampled_from(HUGE_INTS)
@@ -740,6 +743,7 @@ def _build_truth(params: list[Any], side: Side) -> _Truth:
     return _Truth(params[0])
 
 
+@cache
 def hostile_flags() -> st.SearchStrategy[Recipe]:
     """Flags whose ``__bool__`` raises or flips on every call (read eagerly or lazily?)."""
     return st.sampled_from(
@@ -754,6 +758,7 @@ def hostile_flags() -> st.SearchStrategy[Recipe]:
 NON_ENCODABLE = ["\ud800", "a\udfffb", "\udc80" * 3]
 
 
+@cache
 def non_encodable_strings() -> st.SearchStrategy[Recipe]:
     """Strings with lone surrogates: valid ``str``, not encodable as UTF-8."""
     return st.sampled_from(NON_ENCODABLE)

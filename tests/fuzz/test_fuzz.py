@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
@@ -190,12 +191,14 @@ def hostile_ints(valid: st.SearchStrategy[int]) -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def ints(lo: int, hi: int) -> st.SearchStrategy[Recipe]:
     """An int in ``lo..hi``, or now and then a hostile one."""
     valid = st.integers(lo, hi)
     return mostly(valid, hostile_ints(valid))
 
 
+@cache
 def flags() -> st.SearchStrategy[Recipe]:
     """A bool, or an int, ``None``, a raising or flipping ``__bool__``."""
     return mostly(st.booleans(), st.one_of(h.hostile_flags(), st.sampled_from([0, 2, None])))
@@ -205,11 +208,13 @@ def flags() -> st.SearchStrategy[Recipe]:
 HASHES = PROBE_HASHES
 
 
+@cache
 def valid_hashes() -> st.SearchStrategy[Recipe]:
     """A block hash the snapshot probes."""
     return st.sampled_from([h.bytes_recipe(x) for x in HASHES])
 
 
+@cache
 def hostile_hashes() -> st.SearchStrategy[Recipe]:
     """A subclass with lying dunders, a wrong type, an over-long hash."""
     return st.one_of(
@@ -220,16 +225,19 @@ def hostile_hashes() -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def hashes() -> st.SearchStrategy[Recipe]:
     """A block hash, or now and then a hostile one."""
     return mostly(valid_hashes(), hostile_hashes())
 
 
+@cache
 def sequence_forms() -> st.SearchStrategy[Recipe]:
     """How a list of items (``"$ids"``) is passed: a list mostly, else anything iterable."""
     return mostly(st.just(["list", "$ids"]), int_forms())
 
 
+@cache
 def int_forms() -> st.SearchStrategy[Recipe]:
     """The hostile forms of a sequence of ints ``"$ids"``."""
     return st.one_of(
@@ -246,10 +254,12 @@ def item_lists(items: st.SearchStrategy[Recipe], max_size: int = 5) -> st.Search
     )
 
 
+@cache
 def block_ids(num_blocks: int = 12) -> st.SearchStrategy[Recipe]:
     return ints(0, num_blocks)
 
 
+@cache
 def tokens() -> st.SearchStrategy[Recipe]:
     """Token id lists that share prefixes (so prefix hits happen), in any form."""
     prefixes = st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [5, 5, 5, 5]])
@@ -267,6 +277,7 @@ def tokens() -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def request_ids() -> st.SearchStrategy[Recipe]:
     """A few request ids (reused), or subclasses, non-encodable strings, wrong types."""
     valid = st.sampled_from(["r0", "r1", "r2", "r3"])
@@ -276,6 +287,7 @@ def request_ids() -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def extra_keys() -> st.SearchStrategy[Recipe]:
     """Extra keys: valid nested tuples, and what must be refused."""
     scalars = st.one_of(
@@ -302,6 +314,7 @@ def extra_keys() -> st.SearchStrategy[Recipe]:
     return mostly(valid, bad)
 
 
+@cache
 def lora_requests() -> st.SearchStrategy[Recipe]:
     return st.one_of(
         st.none(),
@@ -319,6 +332,7 @@ def lora_requests() -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def mm_features() -> st.SearchStrategy[Recipe]:
     item = st.builds(
         lambda ident, off, length: [
@@ -334,6 +348,7 @@ def mm_features() -> st.SearchStrategy[Recipe]:
     return st.one_of(st.just(["tuple", []]), item_lists(item, 3), h.wrong_types())
 
 
+@cache
 def cache_salts() -> st.SearchStrategy[Recipe]:
     return mostly(
         st.sampled_from([None, "salt", ""]),
@@ -351,6 +366,7 @@ def step(op: str, *args: Recipe, **extra: Any) -> Step:
     return result
 
 
+@cache
 def reentrant_calls(area: str) -> st.SearchStrategy[Recipe]:
     """Calls a hostile callback makes back into the same backend's objects."""
     if area == "pool":
@@ -372,11 +388,13 @@ def reentrant_calls(area: str) -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def valid_table_arg() -> st.SearchStrategy[Recipe]:
     """One of the pool's held tables, as a list."""
     return st.builds(lambda k: ["table", k, False, ["list", "$ids"]], st.integers(0, 5))
 
 
+@cache
 def table_arg(take: bool = False) -> st.SearchStrategy[Recipe]:
     """One of the pool's held tables, in any iterable form."""
     return st.builds(lambda k, form: ["table", k, take, form], st.integers(0, 5), sequence_forms())
@@ -494,6 +512,7 @@ def hasher_setup(draw: st.DrawFn, block_size: int | None = None) -> Step:
     return step("mod.BlockHasher", size, algo, "0", save="hasher")
 
 
+@cache
 def parents() -> st.SearchStrategy[Recipe]:
     return st.one_of(st.none(), hashes())
 
@@ -564,6 +583,7 @@ def hasher_programs(draw: st.DrawFn) -> Program:
 # --------------------------------------------------------------------------- requests
 
 
+@cache
 def block_hashers(area: str) -> st.SearchStrategy[Recipe]:
     """A ``block_hasher``: the side's ``BlockHasher`` mostly, else one that returns
     hostile iterables (lying ``__length_hint__``), raises, re-enters, or is no callable."""
@@ -791,6 +811,7 @@ def manager_steps(draw: st.DrawFn, block_size: int) -> list[Step]:
     ]
 
 
+@cache
 def policies() -> st.SearchStrategy[Recipe]:
     return mostly(
         st.sampled_from(["fail", "recompute"]),
@@ -798,6 +819,7 @@ def policies() -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def modes() -> st.SearchStrategy[Recipe]:
     return mostly(
         st.sampled_from(["vllm", "strict"]),
@@ -805,6 +827,7 @@ def modes() -> st.SearchStrategy[Recipe]:
     )
 
 
+@cache
 def scheduled_mappings() -> st.SearchStrategy[Recipe]:
     """``num_scheduled_tokens``: a dict, or a dict subclass whose methods lie."""
     pairs = st.lists(st.tuples(st.sampled_from(["r0", "r1", "r2", "r3"]), ints(0, 4)), max_size=4)
@@ -838,6 +861,7 @@ def manager_programs(draw: st.DrawFn) -> Program:
 # --------------------------------------------------------------------------- rollback
 
 
+@cache
 def rollback_requests() -> st.SearchStrategy[Recipe]:
     """Persistent requests mostly; ducks whose ``request_id`` changes per read now and then."""
     duck = st.builds(
@@ -948,6 +972,7 @@ def rollback_programs(draw: st.DrawFn) -> Program:
 # --------------------------------------------------------------------------- constructors
 
 
+@cache
 def sizes() -> st.SearchStrategy[Recipe]:
     """Pool sizes: small, or beyond any pool a backend may build (>= 2**32 - 2), or
     hostile; never a legal but huge size, which would only measure memory."""
