@@ -45,13 +45,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 import vllm
-from kvblocks.vllm.cpu import VOCAB_SIZE, GroupLayout, kv_cache_config, write_config_only_model
+from kvblocks.vllm import cpu
+from kvblocks.vllm.cpu import (
+    VOCAB_SIZE,
+    GroupLayout,
+    cpu_vllm_config,
+    kv_cache_config,
+    write_config_only_model,
+)
 from vllm.config import (
-    CacheConfig,
     KVEventsConfig,
     KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
@@ -75,7 +79,6 @@ from vllm.v1.engine import EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -827,26 +830,6 @@ def _is_error_output(output: dict[str, Any]) -> bool:
 def build_vllm_config(scn: Scenario, model_dir: Path) -> VllmConfig:
     """``VllmConfig`` for ``scn`` (a config-only model, no tokenizer); async engines get
     ``async_scheduling``."""
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=scn.max_num_seqs,
-        max_num_batched_tokens=scn.max_num_batched_tokens,
-        max_model_len=scn.max_model_len,
-        is_encoder_decoder=False,
-        enable_chunked_prefill=True,
-        async_scheduling=False,
-        long_prefill_token_threshold=scn.long_prefill_token_threshold,
-        watermark=scn.watermark,
-        scheduler_reserve_full_isl=scn.reserve_full_isl,
-        policy="priority" if scn.scheduling_policy == "priority" else "fcfs",
-    )
-    model_config = ModelConfig(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        max_model_len=scn.max_model_len,
-    )
-    cache_config = CacheConfig(block_size=scn.block_size, enable_prefix_caching=scn.enable_caching)
     kv_events = (
         KVEventsConfig(enable_kv_cache_events=True, publisher="null") if scn.events else None
     )
@@ -872,21 +855,25 @@ def build_vllm_config(scn: Scenario, model_dir: Path) -> VllmConfig:
         if scn.connector_policy is not None
         else None
     )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
+    return cpu_vllm_config(
+        model_dir,
+        block_size=scn.block_size,
+        num_blocks=scn.num_blocks,
+        max_num_seqs=scn.max_num_seqs,
+        max_num_batched_tokens=scn.max_num_batched_tokens,
+        max_model_len=scn.max_model_len,
+        enable_prefix_caching=scn.enable_caching,
+        async_scheduling=scn.is_async,
+        scheduler_options={
+            "long_prefill_token_threshold": scn.long_prefill_token_threshold,
+            "watermark": scn.watermark,
+            "scheduler_reserve_full_isl": scn.reserve_full_isl,
+            "policy": "priority" if scn.scheduling_policy == "priority" else "fcfs",
+        },
         kv_events_config=kv_events,
         speculative_config=spec,
         kv_transfer_config=transfer,
     )
-    if scn.is_async:
-        # The CPU platform turns async scheduling off; the scheduler reads it back for
-        # max_concurrent_batches (deferred frees with a consumer connector) and
-        # max_in_flight_tokens.
-        vllm_config.scheduler_config.async_scheduling = True
-    vllm_config.cache_config.num_gpu_blocks = scn.num_blocks
-    return vllm_config
 
 
 def build_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
@@ -912,15 +899,13 @@ def scenario_kv_cache_config(scn: Scenario) -> KVCacheConfig:
 
 
 def build_scheduler(scn: Scenario, scheduler_cls: type[Scheduler], model_dir: Path) -> Scheduler:
-    vllm_config = build_vllm_config(scn, model_dir)
-    return scheduler_cls(
-        vllm_config=vllm_config,
-        kv_cache_config=scenario_kv_cache_config(scn),
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=scn.block_size,
-        hash_block_size=scn.hash_block_size or scn.block_size,
-        log_stats=True,
+    scheduler: Scheduler = cpu.build_scheduler(
+        scheduler_cls,
+        build_vllm_config(scn, model_dir),
+        scenario_kv_cache_config(scn),
+        hash_block_size=scn.hash_block_size,
     )
+    return scheduler
 
 
 # --------------------------------------------------------------------------------------

@@ -286,27 +286,7 @@ def _build_scheduler(
     one full-attention group of :data:`_NUM_BLOCKS` blocks, or with ``groups`` (a hybrid
     row's ``GroupLayout``s) one group each, in a pool of :func:`hybrid_num_blocks`."""
     config = importlib.import_module("vllm.config")
-    interface = importlib.import_module("vllm.v1.kv_cache_interface")
-    structured = importlib.import_module("vllm.v1.structured_output")
-    torch = importlib.import_module("torch")
-    scheduler_config = config.SchedulerConfig(
-        max_num_seqs=max(script.in_system, 256),
-        max_num_batched_tokens=_MAX_BATCHED_TOKENS,
-        max_model_len=script.max_model_len,
-        is_encoder_decoder=False,
-        enable_chunked_prefill=True,
-        async_scheduling=False,
-    )
-    model_config = config.ModelConfig(
-        model=_model_dir(script.max_model_len),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        max_model_len=script.max_model_len,
-    )
-    cache_config = config.CacheConfig(
-        block_size=_BLOCK_SIZE, enable_prefix_caching=script.prefix_caching
-    )
+    cpu = importlib.import_module("kvblocks.vllm.cpu")
     kv_transfer_config = None
     if kv_load:
         kv_transfer_config = config.KVTransferConfig(
@@ -315,42 +295,26 @@ def _build_scheduler(
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
         )
-    vllm_config = config.VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
+    if groups is None:
+        num_blocks, layout = _NUM_BLOCKS, (cpu.GroupLayout("full"),)
+    else:
+        num_blocks, layout = hybrid_num_blocks(groups, script.num_requests), tuple(groups)
+    vllm_config = cpu.cpu_vllm_config(
+        _model_dir(script.max_model_len),
+        block_size=_BLOCK_SIZE,
+        num_blocks=num_blocks,
+        max_num_seqs=max(script.in_system, 256),
+        max_num_batched_tokens=_MAX_BATCHED_TOKENS,
+        max_model_len=script.max_model_len,
+        enable_prefix_caching=script.prefix_caching,
         kv_transfer_config=kv_transfer_config,
     )
-    if groups is not None:
-        num_blocks = hybrid_num_blocks(groups, script.num_requests)
-        cpu = importlib.import_module("kvblocks.vllm.cpu")
-        cache_config.num_gpu_blocks = num_blocks
-        return scheduler_cls(
-            vllm_config=vllm_config,
-            kv_cache_config=cpu.kv_cache_config(
-                groups, num_blocks, _BLOCK_SIZE, retention_interval=0
-            ),
-            structured_output_manager=structured.StructuredOutputManager(vllm_config),
-            block_size=_BLOCK_SIZE,
-            hash_block_size=_BLOCK_SIZE,
-            log_stats=True,
-        )
-    spec = interface.FullAttentionSpec(
-        block_size=_BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    # Hybrid rows: retention interval 0, vLLM's engine default for them.
+    retention = 0 if groups is not None else None
+    kv_cache_config = cpu.kv_cache_config(
+        layout, num_blocks, _BLOCK_SIZE, retention_interval=retention
     )
-    kv_cache_config = interface.KVCacheConfig(
-        num_blocks=_NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[interface.KVCacheGroupSpec(["layer.0"], spec)],
-    )
-    cache_config.num_gpu_blocks = _NUM_BLOCKS
-    return scheduler_cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=structured.StructuredOutputManager(vllm_config),
-        block_size=_BLOCK_SIZE,
-        log_stats=True,
-    )
+    return cpu.build_scheduler(scheduler_cls, vllm_config, kv_cache_config)
 
 
 # --------------------------------------------------------------------------- connector

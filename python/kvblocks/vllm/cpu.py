@@ -1,17 +1,19 @@
 """vLLM's Scheduler on a CPU, with no model: with ``skip_tokenizer_init=True`` vLLM's
 configs read nothing but a ``config.json`` (set ``VLLM_TARGET_DEVICE=cpu`` and
-``HF_HUB_OFFLINE=1`` before vLLM is imported). The example, ``kvblocks bench`` and the
-tests build their schedulers from this one."""
+``HF_HUB_OFFLINE=1`` before vLLM is imported). ``kvblocks bench`` and the tests build
+their configs and schedulers with :func:`cpu_vllm_config` and :func:`build_scheduler`;
+the example spells the same steps out."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = [
@@ -21,6 +23,8 @@ __all__ = [
     "TINY_LLAMA_CONFIG",
     "VOCAB_SIZE",
     "GroupLayout",
+    "build_scheduler",
+    "cpu_vllm_config",
     "kv_cache_config",
     "write_config_only_model",
 ]
@@ -125,4 +129,89 @@ def kv_cache_config(
             KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)
         ],
         prefix_cache_retention_interval=retention_interval,
+    )
+
+
+def cpu_vllm_config(
+    model_dir: Path | str,
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    enable_prefix_caching: bool = True,
+    async_scheduling: bool = False,
+    scheduler_options: Mapping[str, Any] | None = None,
+    **configs: Any,
+) -> VllmConfig:
+    """The ``VllmConfig`` of a scheduler on the CPU: the config-only model in
+    ``model_dir`` (no tokenizer), chunked prefill, ``num_blocks`` blocks of
+    ``block_size`` tokens.
+
+    Args:
+        model_dir: A directory from :func:`write_config_only_model`.
+        block_size: Tokens per block (vLLM's ``CacheConfig.block_size``).
+        num_blocks: The pool's blocks, as the engine core would have measured them.
+        max_num_seqs: ``SchedulerConfig.max_num_seqs``.
+        max_num_batched_tokens: ``SchedulerConfig.max_num_batched_tokens``.
+        max_model_len: The context, at most the model's ``max_position_embeddings``.
+        enable_prefix_caching: ``CacheConfig.enable_prefix_caching``.
+        async_scheduling: Set once the config is made: the CPU platform turns it off,
+            and the scheduler reads it back (for deferred frees and in-flight tokens).
+        scheduler_options: More ``SchedulerConfig`` fields (``watermark``, ``policy``...).
+        **configs: More ``VllmConfig`` fields (``kv_events_config``,
+            ``speculative_config``, ``kv_transfer_config``).
+    """
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: PLC0415
+    from vllm.config import VllmConfig as Config  # noqa: PLC0415
+
+    vllm_config = Config(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            max_model_len=max_model_len,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+            async_scheduling=False,
+            **(scheduler_options or {}),
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching
+        ),
+        **configs,
+    )
+    if async_scheduling:
+        vllm_config.scheduler_config.async_scheduling = True
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return vllm_config
+
+
+def build_scheduler(
+    scheduler_cls: type[Any],
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    *,
+    hash_block_size: int | None = None,
+) -> Any:
+    """``scheduler_cls`` (vLLM's ``Scheduler``, ``AsyncScheduler`` or a subclass) built
+    as vLLM's engine core builds it, with stats on; ``hash_block_size`` defaults to the
+    block size."""
+    from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
+
+    block_size = vllm_config.cache_config.block_size
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size or block_size,
+        log_stats=True,
     )
