@@ -100,11 +100,6 @@ impl EventState {
         })
     }
 
-    /// Drops the request fields of the records taken.
-    pub fn clear_fields(&mut self) {
-        self.fields.clear();
-    }
-
     /// Annotates each group's `BlockStored` with its `(kind, sliding window)`.
     pub fn set_groups(&mut self, groups: Vec<(String, Option<i64>)>) {
         self.structs.groups = groups;
@@ -156,27 +151,34 @@ impl EventState {
     }
 }
 
+/// A manager whose events Python takes: its event state (`None` while events are off)
+/// with its core's event log, and the emptying of that log.
+pub(crate) trait EventSource {
+    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog);
+    fn clear_event_log(&mut self);
+}
+
 /// The events recorded since the last call as the manager's event structs
 /// (`kvblocks.events`' unless [`EventState::build_as`] chose others), oldest first; the
 /// log is then emptied. `[]` with events off.
-pub fn take_events<'py>(
+pub(crate) fn take_events<'py, M: EventSource>(
     py: Python<'py>,
-    manager: &mut KVCacheManager,
-    state: Option<&mut EventState>,
+    manager: &mut M,
 ) -> PyResult<Bound<'py, PyList>> {
+    let (state, log) = manager.event_parts();
     let Some(state) = state else {
         return Ok(PyList::empty(py));
     };
-    let out = build_events(py, manager.events(), state)?;
+    let out = build_events(py, log, state)?;
     // Only once every object was built: a failure above loses no event.
-    manager.clear_events();
     state.fields.clear();
+    manager.clear_event_log();
     Ok(out)
 }
 
 /// The events of `log` as the state's event structs, oldest first; the caller
 /// clears the log and `state.fields` once this succeeded.
-pub fn build_events<'py>(
+fn build_events<'py>(
     py: Python<'py>,
     log: &EventLog,
     state: &EventState,

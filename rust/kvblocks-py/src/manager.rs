@@ -8,6 +8,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use kvblocks_core::events::EventLog;
 use kvblocks_core::manager::{KVCacheManager as CoreManager, PrefixCacheStats, SlotRequest};
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
@@ -18,7 +19,7 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::{self, int_column, request_id, BoolField, Flag, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
-use crate::events::{take_events, EventState, RequestTokens};
+use crate::events::{take_events, EventSource, EventState, RequestTokens};
 use crate::pool::PyBlockPool;
 use crate::request::PyRequest;
 
@@ -241,6 +242,16 @@ pub struct PyKVCacheManager {
     pool_view: OnceLock<Py<PyBlockPool>>,
 }
 
+impl EventSource for PyKVCacheManager {
+    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
+        (self.events.as_mut(), self.inner.events())
+    }
+
+    fn clear_event_log(&mut self) {
+        self.inner.clear_events();
+    }
+}
+
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
@@ -451,7 +462,7 @@ impl PyKVCacheManager {
     #[doc = docstring!(KVCacheManager.take_events)]
     #[pyo3(text_signature = None)]
     fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        take_events(py, &mut self.inner, self.events.as_mut())
+        take_events(py, self)
     }
 
     #[doc = docstring!(KVCacheManager.record_prefix_cache_stats)]

@@ -24,11 +24,11 @@ use rustc_hash::FxBuildHasher;
 
 use super::{
     block_ids_of, request_attr, request_flag, request_id, with_request_view, HashCache, PoolOwner,
-    PyBlockView, PyKVCacheBlocks, RequestEvents, VllmRequest,
+    PyBlockView, PyKVCacheBlocks, VllmRequest,
 };
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::events::{build_events, EventState};
+use crate::events::{take_events, EventSource, EventState};
 use crate::pool::PyBlockPool;
 
 /// The native half of ``kvblocks.vllm.HybridKVCacheManager``: vLLM 0.33.0's
@@ -71,9 +71,13 @@ pub struct PyHybridManager {
     pool_view: OnceLock<Py<PyBlockPool>>,
 }
 
-impl RequestEvents for PyHybridManager {
+impl EventSource for PyHybridManager {
     fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
         (self.events.as_mut(), self.inner.events())
+    }
+
+    fn clear_event_log(&mut self) {
+        self.inner.clear_events();
     }
 }
 
@@ -605,13 +609,7 @@ impl PyHybridManager {
 
     /// The KV cache events recorded since the last call, as vLLM's event classes.
     fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let Some(state) = self.events.as_mut() else {
-            return Ok(PyList::empty(py));
-        };
-        let out = build_events(py, self.inner.events(), state)?;
-        self.inner.clear_events();
-        state.clear_fields();
-        Ok(out)
+        take_events(py, self)
     }
 
     /// Checks the core's invariants (for tests).

@@ -5,15 +5,14 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use kvblocks_core::events::EventLog;
 use kvblocks_core::request::{HashSource, RequestView};
 use kvblocks_core::BlockHash;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PySequence, PyString};
 
-use crate::events::{EventState, RequestTokens};
-use crate::manager::{PyHashes, PyKVCacheManager};
+use crate::events::{EventSource, RequestTokens};
+use crate::manager::PyHashes;
 
 /// The block hashes of one request converted so far, and the `block_hashes` item the
 /// last of them was read from.
@@ -78,22 +77,10 @@ impl CachedHashes<'_, '_> {
     }
 }
 
-/// What [`with_request_view`] needs of a manager: its event state (`None` while events
-/// are off) and the core's event log.
-pub(crate) trait RequestEvents {
-    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog);
-}
-
-impl RequestEvents for PyKVCacheManager {
-    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
-        (self.events.as_mut(), self.inner.events())
-    }
-}
-
 /// Runs `f` on `manager` with a view of `request` (read as `req`): its hashes come from
 /// `cache`, synced first and filled as the core asks; with events on, its tokens are
 /// read as the core records `BlockStored`s, whose request fields are attached after.
-pub(crate) fn with_request_view<M: RequestEvents, T>(
+pub(crate) fn with_request_view<M: EventSource, T>(
     manager: &mut M,
     cache: &mut HashCache,
     request: &Bound<'_, PyAny>,
