@@ -351,7 +351,7 @@ class VllmKVCacheManager(KVCacheManager):
         admission_statuses: Sequence[int],
         event_structs: object = None,
         kv_cache_spec_kind: str | None = None,
-        caps_caching_at_hashed_tokens: bool = True,
+        vllm_series: tuple[int, int] = (0, 33),
     ) -> Self: ...
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlocks: ...

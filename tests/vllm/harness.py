@@ -76,7 +76,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, FinishReason
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -878,14 +878,7 @@ def build_vllm_config(scn: Scenario, model_dir: Path) -> VllmConfig:
 
 def build_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
     """One full-attention group, as the engine core makes for the tiny model."""
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-    )
+    return kv_cache_config((GroupLayout("full"),), num_blocks, block_size, retention_interval=None)
 
 
 def scenario_kv_cache_config(scn: Scenario) -> KVCacheConfig:

@@ -419,9 +419,9 @@ def test_scenario_ids_round_trip() -> None:
 def test_comparison_reports_another_releases_rules(
     engine: str, tiny_model_dir: Path, candidate: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """kvblocks' manager without vLLM 0.31's cascade common-prefix count (the stub of
-    later releases) is reported on 0.31, at the field where it first shows: the
-    per-release flag is what makes the suite pass there."""
+    """kvblocks' manager under vLLM 0.32's rules (no cascade common-prefix count) is
+    reported on 0.31, at the field where it first shows: the per-release rules are
+    what make the suite pass there."""
     if candidate != "kvblocks":
         pytest.skip("the release rules are kvblocks' own")
     if harness.VLLM_SERIES != (0, 31):
@@ -429,10 +429,7 @@ def test_comparison_reports_another_releases_rules(
     import kvblocks.vllm.manager as kvblocks_manager  # noqa: PLC0415 (the candidate fixture checked it imports)
     from kvblocks.vllm._version_check import installed_differences  # noqa: PLC0415
 
-    installed = installed_differences()
-    planted = dataclasses.replace(
-        installed, counts_common_prefix_blocks=not installed.counts_common_prefix_blocks
-    )
+    planted = dataclasses.replace(installed_differences(), series=(0, 32))
     scn = harness.make_scenario("prefix", 1, engine)
     reference = harness.run_scenario(scn, harness.stock_class(scn), tiny_model_dir)
     monkeypatch.setattr(kvblocks_manager, "installed_differences", lambda: planted)

@@ -92,7 +92,7 @@ def test_installed_falls_back(kvb: ModuleType, tiny_model_dir: Path) -> None:
     kv_cache_config.kv_cache_tensors = [
         KVCacheTensor(
             size=page * scn.num_blocks,
-            layers=["layer.0"],
+            layers=kv_cache_config.kv_cache_groups[0].layer_names,
             layer_stride=page * scn.num_blocks,
             block_stride=page,
         )

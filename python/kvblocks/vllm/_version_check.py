@@ -22,18 +22,12 @@ INSTALL_HINT = (
 @dataclass(frozen=True, slots=True)
 class ReleaseDifferences:
     """What the installed vLLM series does differently from the newest, where it shows
-    in the manager kvblocks puts under vLLM's Scheduler. One flag per difference; the code
-    that reads a flag is the only place that difference lives."""
+    in the manager kvblocks puts under vLLM's Scheduler. The manager's own rules are the
+    core's, chosen by :attr:`series` (``ReleaseRules`` in ``manager.rs``); what stays
+    here decides which layouts kvblocks manages at all."""
 
     #: The series, ``(0, 31)`` for vLLM 0.31.x.
     series: tuple[int, int]
-    #: 0.31: ``get_num_common_prefix_blocks`` counts the blocks every request with
-    #: blocks shares (cascade attention); later it is a stub returning 0.
-    counts_common_prefix_blocks: bool
-    #: 0.33: ``cache_blocks`` caches no block past the request's hashed tokens; before,
-    #: it counts every full block of the tokens as cached (and fails on a table block
-    #: without a hash).
-    caps_caching_at_hashed_tokens: bool
     #: 0.33: the coordinators kvblocks' hybrid manager matches (null blocks trimmed
     #: from freed and unhashed tables, caching capped at the hashed tokens, the
     #: partial-tail key at ``prompt length - 1``). Older series rework them, so their
@@ -54,12 +48,7 @@ class ReleaseDifferences:
 
 def differences_of(found: tuple[int, int]) -> ReleaseDifferences:
     """The named differences of a supported series from the newest."""
-    return ReleaseDifferences(
-        series=found,
-        counts_common_prefix_blocks=found <= (0, 31),
-        caps_caching_at_hashed_tokens=found >= (0, 33),
-        hybrid_layouts=found >= (0, 33),
-    )
+    return ReleaseDifferences(series=found, hybrid_layouts=found >= (0, 33))
 
 
 @cache

@@ -468,7 +468,7 @@ class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
             admission_statuses=list(ADMISSION_STATUSES),
             event_structs=vllm_events,
             kv_cache_spec_kind=event_metadata(config)[0][0],
-            caps_caching_at_hashed_tokens=installed_differences().caps_caching_at_hashed_tokens,
+            vllm_series=installed_differences().series,
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -507,9 +507,7 @@ class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """vLLM 0.31: the leading blocks of the request that every request holding
         blocks shares (for cascade attention). Later releases deprecate it: ``[0]``."""
-        if installed_differences().counts_common_prefix_blocks:
-            return [self.num_common_prefix_blocks(running_request_id)]
-        return [0]
+        return [self.num_common_prefix_blocks(running_request_id)]
 
 
 def spec_kind(spec: KVCacheSpec) -> str:

@@ -60,13 +60,25 @@ pub struct ReleaseRules {
     /// fails indexing the hash of a table block that has none, after caching those
     /// before it.
     pub caps_caching_at_hashed_tokens: bool,
+    /// vLLM 0.31: `get_num_common_prefix_blocks` counts the blocks every request with a
+    /// table shares (cascade attention); later releases answer 0.
+    pub counts_common_prefix_blocks: bool,
+}
+
+impl ReleaseRules {
+    /// The rules of vLLM `major.minor` (0.31 to 0.33; a later one gets the newest's).
+    #[must_use]
+    pub fn for_vllm((major, minor): (u32, u32)) -> Self {
+        Self {
+            caps_caching_at_hashed_tokens: (major, minor) >= (0, 33),
+            counts_common_prefix_blocks: (major, minor) <= (0, 31),
+        }
+    }
 }
 
 impl Default for ReleaseRules {
     fn default() -> Self {
-        Self {
-            caps_caching_at_hashed_tokens: true,
-        }
+        Self::for_vllm((0, 33))
     }
 }
 
@@ -814,23 +826,23 @@ impl KVCacheManager {
         Ok(slice_end(blocks, num_hits))
     }
 
-    /// The leading blocks of the request's table that every request holding a table
-    /// shares: those whose ref count is the number of tables (vLLM 0.31's
-    /// `get_num_common_prefix_blocks`, for cascade attention). An unknown request gets
-    /// an empty table first, as vLLM's `defaultdict` gives it one. Without prefix
-    /// caching, vLLM's coordinator counts nothing: 0.
+    /// vLLM's `get_num_common_prefix_blocks` for the group: 0, except under vLLM 0.31's
+    /// rules with prefix caching on, where it counts the leading blocks of the
+    /// request's table whose ref count is the number of tables (for cascade
+    /// attention); an unknown request then gets an empty table first, as vLLM's
+    /// `defaultdict` gives it one.
     pub fn num_common_prefix_blocks(&mut self, request_id: &str) -> usize {
-        if !self.enable_caching() {
+        if !self.release_rules.counts_common_prefix_blocks || !self.enable_caching() {
             return 0;
         }
         if !self.requests.contains_key(request_id) {
             self.requests
                 .insert(request_id.to_owned(), RequestBlocks::default());
         }
-        let holders = self.requests.len();
+        let holders = u32::try_from(self.requests.len()).unwrap_or(u32::MAX);
         self.get_block_ids(request_id)
             .iter()
-            .take_while(|&&b| usize::try_from(self.pool.ref_cnt_of(b)).is_ok_and(|n| n == holders))
+            .take_while(|&&b| self.pool.ref_cnt_of(b) == holders)
             .count()
     }
 

@@ -601,12 +601,10 @@ fn truncating_a_lookup_is_vllms_aligned_slice() {
     ));
 }
 
-/// A vLLM-tolerant manager under the rules of vLLM 0.31 and 0.32.
+/// A vLLM-tolerant manager under the rules of vLLM 0.31.
 fn older_release_manager(num_blocks: i64) -> KVCacheManager {
     let mut mgr = vllm_manager(num_blocks);
-    mgr.set_release_rules(ReleaseRules {
-        caps_caching_at_hashed_tokens: false,
-    });
+    mgr.set_release_rules(ReleaseRules::for_vllm((0, 31)));
     mgr
 }
 
@@ -657,7 +655,7 @@ fn common_prefix_blocks_are_those_every_table_holds() {
     // vLLM 0.31: leading blocks whose ref count is the number of tables. Two requests
     // share 2 blocks of prefix; the third block is each one's own.
     let s = source(12);
-    let mut mgr = vllm_manager(16);
+    let mut mgr = older_release_manager(16);
     mgr.allocate_slots(&view("a", 0, &s), &new_tokens(12))
         .unwrap();
     let (hits, _) = mgr.get_computed_blocks(&view("b", 0, &s)).unwrap();
@@ -670,6 +668,12 @@ fn common_prefix_blocks_are_those_every_table_holds() {
     };
     mgr.allocate_slots(&view("b", 0, &s), &shared).unwrap();
     assert_eq!(mgr.num_common_prefix_blocks("a"), 2);
+    // Later releases answer 0, and make no table.
+    let mut newest = mgr.clone();
+    newest.set_release_rules(ReleaseRules::default());
+    assert_eq!(newest.num_common_prefix_blocks("a"), 0);
+    assert_eq!(newest.num_common_prefix_blocks("ghost"), 0);
+    assert_eq!(newest.num_requests(), 2);
     // An unknown request gets an empty table (vLLM's defaultdict): now nothing is
     // held by all three.
     assert_eq!(mgr.num_common_prefix_blocks("ghost"), 0);
@@ -678,6 +682,7 @@ fn common_prefix_blocks_are_those_every_table_holds() {
     // Without prefix caching, vLLM's coordinator counts nothing.
     let mut uncached = KVCacheManager::new(16, BS, false, Some(1024), true).unwrap();
     uncached.set_tolerance(Tolerance::Vllm);
+    uncached.set_release_rules(ReleaseRules::for_vllm((0, 31)));
     uncached
         .allocate_slots(&view("a", 0, &s), &new_tokens(12))
         .unwrap();

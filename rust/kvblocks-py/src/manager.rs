@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PySequence, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{self, int_column, request_id, BoolField, Flag, HashSeq};
+use crate::convert::{self, int_column, request_id_of, BoolField, Flag, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::events::{take_events, EventSource, EventState, RequestTokens};
 use crate::pool::PyBlockPool;
@@ -122,11 +122,7 @@ impl<'py> RequestArg<'py> {
             return Ok(Self::Native(native.try_borrow()?));
         }
         Ok(Self::Duck {
-            request_id: request_id(
-                &request.getattr(intern!(request.py(), "request_id"))?,
-                "request_id",
-            )?
-            .to_string(),
+            request_id: request_id_of(request)?.to_string(),
             num_tokens: request
                 .getattr(intern!(request.py(), "num_tokens"))?
                 .extract()?,
@@ -406,11 +402,7 @@ impl PyKVCacheManager {
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id = match request.cast::<PyRequest>() {
             Ok(native) => native.try_borrow()?.request_id().to_owned(),
-            Err(_) => request_id(
-                &request.getattr(intern!(request.py(), "request_id"))?,
-                "request_id",
-            )?
-            .to_string(),
+            Err(_) => request_id_of(request)?.to_string(),
         };
         self.inner.free(&request_id).py()
     }

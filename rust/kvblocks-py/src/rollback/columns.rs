@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
 
-use crate::convert::{int_column, request_id, to_list, IntColumn};
+use crate::convert::{int_column, request_id_of, to_list, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 
@@ -61,10 +61,7 @@ impl<'py> RequestColumns<'py> {
             requests: Vec::new(),
         };
         for request in &requests {
-            let id = request_id(
-                &request.getattr(intern!(request.py(), "request_id"))?,
-                "request_id",
-            )?;
+            let id = request_id_of(request)?;
             cols.computed.push(
                 request
                     .getattr(intern!(request.py(), "num_computed_tokens"))?

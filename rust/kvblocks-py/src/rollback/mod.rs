@@ -25,7 +25,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PySet;
 
-use crate::convert::{int_column, request_id, to_list, ChoiceArg, Flag, Given, IntColumn};
+use crate::convert::{
+    int_column, request_id, request_id_of, to_list, ChoiceArg, Flag, Given, IntColumn,
+};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 use columns::{check_unique, fetch_tables, RequestColumns, Target};
@@ -267,7 +269,7 @@ pub fn handle_failed_recving(
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
-        .map(|r| request_id(&r.getattr(intern!(r.py(), "request_id"))?, "request_id"))
+        .map(request_id_of)
         .collect::<PyResult<Vec<_>>>()?;
     check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();

@@ -23,8 +23,8 @@ use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxBuildHasher;
 
 use super::{
-    block_ids_of, request_attr, request_flag, request_id, with_request_view, HashCache, PoolOwner,
-    PyBlockView, PyKVCacheBlocks, VllmRequest,
+    admission_status, block_ids_of, request_attr, request_flag, request_id, with_request_view,
+    HashCache, PoolOwner, PyBlockView, PyKVCacheBlocks, VllmRequest,
 };
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
@@ -415,12 +415,14 @@ impl PyHybridManager {
             }
             _ => None,
         };
-        let watermarked = if has_scheduled_reqs.0 && slf.try_borrow()?.inner.watermark_blocks() > 0
-        {
-            let status = request_attr(request, intern!(py, "status"))?;
-            slf.try_borrow()?.admission_statuses.contains(&status)
-        } else {
-            false
+        let status = admission_status(
+            request,
+            has_scheduled_reqs.0,
+            slf.try_borrow()?.inner.watermark_blocks(),
+        )?;
+        let watermarked = match status {
+            Some(status) => slf.try_borrow()?.admission_statuses.contains(&status),
+            None => false,
         };
         let slots = HybridSlots {
             num_new_tokens,

@@ -15,8 +15,8 @@ use pyo3::types::{PyList, PyTuple};
 use rustc_hash::FxBuildHasher;
 
 use super::{
-    request_attr, request_flag, request_id, with_request_view, HashCache, PoolOwner, PyBlockView,
-    PyKVCacheBlocks, VllmRequest,
+    admission_status, request_attr, request_flag, request_id, with_request_view, HashCache,
+    PoolOwner, PyBlockView, PyKVCacheBlocks, VllmRequest,
 };
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
@@ -41,8 +41,8 @@ use crate::manager::PyKVCacheManager;
 ///         fields of ``kvblocks.events``, in the same order); ``None`` for kvblocks'.
 ///     kv_cache_spec_kind: ``BlockStored.kv_cache_spec_kind`` with ``event_structs``
 ///         (``"full_attention"`` when ``None``).
-///     caps_caching_at_hashed_tokens: vLLM 0.33 on: ``cache_blocks`` caches no block
-///         past the request's hashed tokens (``False``: the rule of 0.31 and 0.32).
+///     vllm_series: The vLLM release ``(major, minor)`` whose manager this one stands
+///         in for (0.31 to 0.33), where their rules differ.
 #[pyclass(
     extends = PyKVCacheManager,
     subclass,
@@ -127,9 +127,9 @@ impl PyVllmManager {
             num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE,
             log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
             admission_statuses, event_structs=None, kv_cache_spec_kind=None,
-            caps_caching_at_hashed_tokens=Flag::TRUE
+            vllm_series=(0, 33)
         ),
-        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, kv_cache_spec_kind=None, caps_caching_at_hashed_tokens=True)"
+        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, kv_cache_spec_kind=None, vllm_series=(0, 33))"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -144,7 +144,7 @@ impl PyVllmManager {
         admission_statuses: &Bound<'_, PyAny>,
         event_structs: Option<&Bound<'_, PyAny>>,
         kv_cache_spec_kind: Option<String>,
-        caps_caching_at_hashed_tokens: Flag,
+        vllm_series: (u32, u32),
     ) -> PyResult<PyClassInitializer<Self>> {
         // Converted by the binding's own reader: never sized from a claimed length.
         let admission_statuses = int_column(admission_statuses)?.into_vec();
@@ -159,9 +159,8 @@ impl PyVllmManager {
             Flag::FALSE,
         )?;
         base.inner.set_tolerance(Tolerance::Vllm);
-        base.inner.set_release_rules(ReleaseRules {
-            caps_caching_at_hashed_tokens: caps_caching_at_hashed_tokens.0,
-        });
+        base.inner
+            .set_release_rules(ReleaseRules::for_vllm(vllm_series));
         base.inner.set_watermark(watermark).py()?;
         if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
             events.build_as(module, kv_cache_spec_kind)?;
@@ -262,13 +261,14 @@ impl PyVllmManager {
             None => false,
             Some(blocks) => !blocks.is(slf.try_borrow()?.empty.bind(slf.py())),
         };
-        // The status matters only under a watermark: read it only then.
-        let watermarked = slf.try_borrow()?.as_super().inner.watermark_blocks() > 0;
-        let admitting = if has_scheduled_reqs.0 && watermarked {
-            let status = request_attr(request, intern!(slf.py(), "status"))?;
-            slf.try_borrow()?.admission_statuses.contains(&status)
-        } else {
-            false
+        let status = admission_status(
+            request,
+            has_scheduled_reqs.0,
+            slf.try_borrow()?.as_super().inner.watermark_blocks(),
+        )?;
+        let admitting = match status {
+            Some(status) => slf.try_borrow()?.admission_statuses.contains(&status),
+            None => false,
         };
         let slots = SlotRequest {
             num_new_tokens,
@@ -359,9 +359,10 @@ impl PyVllmManager {
         Self::blocks_of(slf, ids[..n].to_vec())
     }
 
-    /// The leading blocks of the request's table that every request holding a table
-    /// shares (vLLM 0.31's cascade-attention count); an unknown request gets an empty
-    /// table first, as vLLM's ``defaultdict`` gives it one.
+    /// vLLM's ``get_num_common_prefix_blocks`` for the group: under vLLM 0.31 the
+    /// leading blocks of the request's table that every request holding a table shares
+    /// (an unknown request gets an empty table first, as vLLM's ``defaultdict`` gives
+    /// it one); 0 under later releases.
     fn num_common_prefix_blocks(mut slf: PyRefMut<'_, Self>, request_id: &str) -> usize {
         slf.as_super().inner.num_common_prefix_blocks(request_id)
     }

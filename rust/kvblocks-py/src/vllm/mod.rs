@@ -19,5 +19,6 @@ pub use hybrid::PyHybridManager;
 pub(crate) use manager::block_ids_of;
 pub use manager::PyVllmManager;
 pub(crate) use request::{
-    request_attr, request_flag, request_id, with_request_view, HashCache, VllmRequest,
+    admission_status, request_attr, request_flag, request_id, with_request_view, HashCache,
+    VllmRequest,
 };

@@ -182,6 +182,21 @@ pub(crate) fn request_id(request: &Bound<'_, PyAny>) -> PyResult<String> {
         .extract()
 }
 
+/// The request's `status` when the watermark can apply to this allocation (other
+/// requests are scheduled and a watermark is set), else `None` without reading it. The
+/// watermark applies when that status is an admission status (vLLM's waiting and
+/// preempted ones).
+pub(crate) fn admission_status(
+    request: &Bound<'_, PyAny>,
+    has_scheduled_reqs: bool,
+    watermark_blocks: usize,
+) -> PyResult<Option<i64>> {
+    if !has_scheduled_reqs || watermark_blocks == 0 {
+        return Ok(None);
+    }
+    request_attr(request, intern!(request.py(), "status")).map(Some)
+}
+
 /// `getattr(request, name, False)`, by truthiness.
 pub(crate) fn request_flag(
     request: &Bound<'_, PyAny>,
