@@ -30,7 +30,6 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
 use crate::convert::{token_ids, type_name, Given};
 use crate::errors::{to_py, IntoPyResult, StashedError};
-use crate::request::PyRequest;
 
 // ----------------------------------------------------------------------------- extra keys
 
@@ -429,8 +428,9 @@ impl PyBlockHasher {
             .py()
     }
 
-    /// `__call__` for a duck-typed request, step for step as the reference reads it.
-    fn duck_request_hashes(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    /// `__call__`: the hashes of a request's new full blocks, its attributes read step
+    /// for step as the reference reads them (a native `Request` too).
+    fn request_hashes(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
         let py = request.py();
         if !attr_or_none(request, intern!(py, "prompt_embeds"))?.is_none() {
             return Err(embeds_error());
@@ -646,20 +646,8 @@ impl PyBlockHasher {
     #[doc = docstring!(BlockHasher.__call__)]
     #[pyo3(name = "_call")]
     fn call<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let py = request.py();
-        let hashes = if let Ok(native) = request.cast::<PyRequest>() {
-            // A native request: its tokens are read in place.
-            let native = native.try_borrow()?;
-            let view = native.hash_view(py);
-            let mut out = Vec::new();
-            if let Some(plan) = self.plan(&view)? {
-                self.run(&plan, view.tokens, &mut out)?;
-            }
-            out
-        } else {
-            self.duck_request_hashes(request)?
-        };
-        hash_list(py, &hashes)
+        let hashes = self.request_hashes(request)?;
+        hash_list(request.py(), &hashes)
     }
 
     /// `__call__` is `_call` (PyO3 would make a `__call__` method the `tp_call` slot,

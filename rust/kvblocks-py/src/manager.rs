@@ -20,7 +20,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use crate::convert::{self, int_column, request_id_of, BoolField, Flag, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::events::{take_events, EventSource, EventState, RequestTokens};
-use crate::pool::PyBlockPool;
+use crate::pool::{pool_view, PoolHost, PyBlockPool};
 use crate::request::PyRequest;
 
 /// A duck-typed request's `block_hashes`, converted lazily: the manager asks only for
@@ -238,6 +238,16 @@ pub struct PyKVCacheManager {
     pool_view: OnceLock<Py<PyBlockPool>>,
 }
 
+impl PoolHost for PyKVCacheManager {
+    fn pool(&self) -> &kvblocks_core::pool::BlockPool {
+        self.inner.block_pool()
+    }
+
+    fn pool_mut(&mut self) -> &mut kvblocks_core::pool::BlockPool {
+        self.inner.block_pool_mut()
+    }
+}
+
 impl EventSource for PyKVCacheManager {
     fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
         (self.events.as_mut(), self.inner.events())
@@ -301,18 +311,8 @@ impl PyKVCacheManager {
     #[doc = docstring!(KVCacheManager.block_pool)]
     #[getter]
     fn block_pool(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
-        let py = slf.py();
         let this = slf.try_borrow()?;
-        if let Some(view) = this.pool_view.get() {
-            return Ok(view.clone_ref(py));
-        }
-        let view = Py::new(
-            py,
-            PyBlockPool::of_manager(slf.clone().unbind(), this.block_size),
-        )?;
-        // A collection inside `Py::new` may run Python code that got here first: the
-        // view handed out is whichever was stored.
-        Ok(this.pool_view.get_or_init(|| view).clone_ref(py))
+        pool_view(slf, &this.pool_view, this.block_size)
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

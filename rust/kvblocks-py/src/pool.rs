@@ -6,16 +6,19 @@
 #![allow(clippy::doc_markdown)]
 
 use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
+use std::sync::OnceLock;
+
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::pyclass::boolean_struct::False;
 use pyo3::types::PyBytes;
+use pyo3::PyClass;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::{
     block_hash, hash_bytes, int_column, to_list, BoolField, Flag, Given, HashSeq, IntColumn,
 };
 use crate::errors::{IntoPyResult, StashedError};
-use crate::manager::PyKVCacheManager;
-use crate::vllm::PyHybridManager;
 
 #[doc = docstring!(KVCacheBlock)]
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlock", frozen, eq, hash)]
@@ -89,6 +92,110 @@ impl PyKVCacheBlock {
     }
 }
 
+/// A Python object whose state holds a core block pool (a manager), which block pool
+/// views, block views and results reach through a [`PoolHandle`].
+pub trait PoolHost: PyClass<Frozen = False> {
+    /// The pool.
+    fn pool(&self) -> &CorePool;
+    /// The pool, mutably.
+    fn pool_mut(&mut self) -> &mut CorePool;
+}
+
+/// A reference to a [`PoolHost`] of any type, borrowed for each call, so that every
+/// holder sees the host's current state. If the host is itself in the middle of a
+/// call (Python code it ran, such as a request's `block_hashes`, reached back into
+/// the pool), a call raises `RuntimeError` instead of touching state that call is
+/// changing.
+pub struct PoolHandle {
+    host: Py<PyAny>,
+    read: ReadHost,
+    write: WriteHost,
+}
+
+/// Borrows a host (of the type the handle was made for) and runs a call on its pool.
+type ReadHost = fn(&Bound<'_, PyAny>, &mut dyn FnMut(&CorePool)) -> PyResult<()>;
+/// [`ReadHost`], mutably.
+type WriteHost = fn(&Bound<'_, PyAny>, &mut dyn FnMut(&mut CorePool)) -> PyResult<()>;
+
+fn read_host<H: PoolHost>(host: &Bound<'_, PyAny>, f: &mut dyn FnMut(&CorePool)) -> PyResult<()> {
+    f(host.cast::<H>()?.try_borrow()?.pool());
+    Ok(())
+}
+
+fn write_host<H: PoolHost>(
+    host: &Bound<'_, PyAny>,
+    f: &mut dyn FnMut(&mut CorePool),
+) -> PyResult<()> {
+    f(host.cast::<H>()?.try_borrow_mut()?.pool_mut());
+    Ok(())
+}
+
+impl PoolHandle {
+    /// The handle of `host`'s pool.
+    pub fn new<H: PoolHost>(host: Py<H>) -> Self {
+        Self {
+            host: host.into_any(),
+            read: read_host::<H>,
+            write: write_host::<H>,
+        }
+    }
+
+    /// Another handle of the same pool.
+    pub fn clone_ref(&self, py: Python<'_>) -> Self {
+        Self {
+            host: self.host.clone_ref(py),
+            ..*self
+        }
+    }
+
+    /// Runs `f` on the pool.
+    pub fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&CorePool) -> R) -> PyResult<R> {
+        let (mut f, mut out) = (Some(f), None);
+        (self.read)(self.host.bind(py), &mut |pool| {
+            out = f.take().map(|f| f(pool));
+        })?;
+        out.ok_or_else(not_run)
+    }
+
+    /// Runs `f` on the pool, mutably.
+    pub fn with_mut<R>(&self, py: Python<'_>, f: impl FnOnce(&mut CorePool) -> R) -> PyResult<R> {
+        let (mut f, mut out) = (Some(f), None);
+        (self.write)(self.host.bind(py), &mut |pool| {
+            out = f.take().map(|f| f(pool));
+        })?;
+        out.ok_or_else(not_run)
+    }
+
+    /// The host, for the garbage collector.
+    pub fn host(&self) -> &Py<PyAny> {
+        &self.host
+    }
+}
+
+/// A host's borrow returned without running the call (no host does).
+fn not_run() -> PyErr {
+    PyRuntimeError::new_err("the block pool's manager did not run the call")
+}
+
+/// The `block_pool` view of `host`'s pool, made on first access and kept in `cell`, so
+/// that it is always the same object, as the reference's attribute is. It refers back
+/// to the host: the cycle is the garbage collector's (the host's `__traverse__`).
+pub fn pool_view<H: PoolHost>(
+    host: &Bound<'_, H>,
+    cell: &OnceLock<Py<PyBlockPool>>,
+    block_size: i64,
+) -> PyResult<Py<PyBlockPool>> {
+    let py = host.py();
+    if let Some(view) = cell.get() {
+        return Ok(view.clone_ref(py));
+    }
+    let source = PoolSource::Host(PoolHandle::new(host.clone().unbind()));
+    let view = Py::new(py, PyBlockPool { source, block_size })?;
+    // A collection inside `Py::new` may run Python code that got here first: the view
+    // handed out is whichever was stored.
+    Ok(cell.get_or_init(|| view).clone_ref(py))
+}
+
 /// Where a Python `BlockPool` object's state lives.
 // One per Python object, so the size of the inline pool costs nothing worth a box and
 // the indirection it would add to every call.
@@ -96,11 +203,8 @@ impl PyKVCacheBlock {
 enum PoolSource {
     /// A pool created by `BlockPool(...)`.
     Own(CorePool),
-    /// The pool inside a `KVCacheManager` (its `block_pool` attribute): a view that
-    /// borrows the manager for each call, so both always see the same state.
-    Manager(Py<PyKVCacheManager>),
-    /// The pool inside `kvblocks.vllm`'s multi-group manager, viewed the same way.
-    Hybrid(Py<PyHybridManager>),
+    /// The pool inside a manager (its `block_pool` attribute).
+    Host(PoolHandle),
 }
 
 #[doc = docstring!(BlockPool)]
@@ -111,31 +215,11 @@ pub struct PyBlockPool {
 }
 
 impl PyBlockPool {
-    /// The view of a manager's pool.
-    pub fn of_manager(manager: Py<PyKVCacheManager>, block_size: i64) -> Self {
-        Self {
-            source: PoolSource::Manager(manager),
-            block_size,
-        }
-    }
-
-    /// The view of a multi-group manager's pool.
-    pub fn of_hybrid(manager: Py<PyHybridManager>, block_size: i64) -> Self {
-        Self {
-            source: PoolSource::Hybrid(manager),
-            block_size,
-        }
-    }
-
-    /// Runs `f` on the pool. A manager's pool is borrowed from the manager for the
-    /// call; if the manager is itself in the middle of a call (Python code it ran, such
-    /// as a request's `block_hashes`, reached back into the pool), this raises
-    /// `RuntimeError` instead of touching state that call is changing.
+    /// Runs `f` on the pool.
     fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&CorePool) -> R) -> PyResult<R> {
         match &self.source {
             PoolSource::Own(pool) => Ok(f(pool)),
-            PoolSource::Manager(m) => Ok(f(m.bind(py).try_borrow()?.inner.block_pool())),
-            PoolSource::Hybrid(m) => Ok(f(m.bind(py).try_borrow()?.core().block_pool())),
+            PoolSource::Host(handle) => handle.with(py, f),
         }
     }
 
@@ -143,10 +227,7 @@ impl PyBlockPool {
     fn with_mut<R>(&mut self, py: Python<'_>, f: impl FnOnce(&mut CorePool) -> R) -> PyResult<R> {
         match &mut self.source {
             PoolSource::Own(pool) => Ok(f(pool)),
-            PoolSource::Manager(m) => Ok(f(m.bind(py).try_borrow_mut()?.inner.block_pool_mut())),
-            PoolSource::Hybrid(m) => {
-                Ok(f(m.bind(py).try_borrow_mut()?.core_mut().block_pool_mut()))
-            }
+            PoolSource::Host(handle) => handle.with_mut(py, f),
         }
     }
 }
@@ -155,10 +236,8 @@ impl PyBlockPool {
 impl PyBlockPool {
     /// A manager's view refers to its manager (and the manager to its view).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        match &self.source {
-            PoolSource::Manager(manager) => visit.call(manager)?,
-            PoolSource::Hybrid(manager) => visit.call(manager)?,
-            PoolSource::Own(_) => {}
+        if let PoolSource::Host(handle) = &self.source {
+            visit.call(handle.host())?;
         }
         Ok(())
     }

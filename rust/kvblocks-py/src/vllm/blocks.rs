@@ -5,44 +5,20 @@
 // not rustdoc markdown.
 #![allow(clippy::doc_markdown)]
 
-use kvblocks_core::pool::{BlockInfo, BlockPool, NULL_BLOCK_ID};
+use kvblocks_core::pool::{BlockInfo, NULL_BLOCK_ID};
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use super::hybrid::PyHybridManager;
-use super::PyVllmManager;
 use crate::convert::Flag;
 use crate::errors::IntoPyResult;
+use crate::pool::PoolHandle;
 
-/// The manager whose pool a result's blocks are in.
-pub(crate) enum PoolOwner {
-    Single(Py<PyVllmManager>),
-    Hybrid(Py<PyHybridManager>),
-}
-
-impl PoolOwner {
-    fn clone_ref(&self, py: Python<'_>) -> Self {
-        match self {
-            Self::Single(m) => Self::Single(m.clone_ref(py)),
-            Self::Hybrid(m) => Self::Hybrid(m.clone_ref(py)),
-        }
-    }
-
-    /// Runs `f` on the owner's pool.
-    fn with_pool<R>(&self, py: Python<'_>, f: impl FnOnce(&BlockPool) -> R) -> PyResult<R> {
-        match self {
-            Self::Single(m) => Ok(f(m.bind(py).try_borrow()?.as_super().inner.block_pool())),
-            Self::Hybrid(m) => Ok(f(m.bind(py).try_borrow()?.core().block_pool())),
-        }
-    }
-
-    /// A live view of block `block_id`.
-    pub(crate) fn view(&self, py: Python<'_>, block_id: u32) -> PyBlockView {
-        PyBlockView {
-            manager: self.clone_ref(py),
-            block_id,
-        }
+/// A live view of block `block_id` of `pool`.
+pub(crate) fn block_view(py: Python<'_>, pool: &PoolHandle, block_id: u32) -> PyBlockView {
+    PyBlockView {
+        pool: pool.clone_ref(py),
+        block_id,
     }
 }
 
@@ -57,23 +33,23 @@ pub struct PyKVCacheBlocks {
     /// Where each group's ids end in `ids`; empty for one group (all of `ids`).
     ends: Vec<usize>,
     /// The manager whose pool the blocks are in (`None` for results with no blocks).
-    manager: Option<PoolOwner>,
+    pool: Option<PoolHandle>,
 }
 
 impl PyKVCacheBlocks {
     /// One group's ids.
-    pub(crate) fn single(ids: Vec<u32>, manager: Option<PoolOwner>) -> Self {
+    pub(crate) fn single(ids: Vec<u32>, pool: Option<PoolHandle>) -> Self {
         Self {
             ids,
             ends: Vec::new(),
-            manager,
+            pool,
         }
     }
 
     /// Several groups' ids.
     pub(crate) fn grouped<'a>(
         groups: impl IntoIterator<Item = &'a [u32]>,
-        manager: Option<PoolOwner>,
+        pool: Option<PoolHandle>,
     ) -> Self {
         let mut ids = Vec::new();
         let mut ends = Vec::new();
@@ -81,7 +57,7 @@ impl PyKVCacheBlocks {
             ids.extend_from_slice(group);
             ends.push(ids.len());
         }
-        Self { ids, ends, manager }
+        Self { ids, ends, pool }
     }
 
     /// Each group's ids.
@@ -102,10 +78,10 @@ impl PyKVCacheBlocks {
 
     /// Whether each block of `ids` is cached, read from the manager's pool.
     fn hashed(&self, py: Python<'_>, ids: &[u32]) -> PyResult<Vec<bool>> {
-        let Some(manager) = &self.manager else {
+        let Some(pool) = &self.pool else {
             return Ok(vec![false; ids.len()]);
         };
-        manager.with_pool(py, |pool| {
+        pool.with(py, |pool| {
             ids.iter().map(|&b| pool.block_is_cached(b)).collect()
         })
     }
@@ -199,12 +175,12 @@ impl PyKVCacheBlocks {
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let groups = self.groups();
-        let Some(manager) = &self.manager else {
+        let Some(pool) = &self.pool else {
             return PyTuple::new(py, groups.iter().map(|_| PyTuple::empty(py)));
         };
         let lists = groups
             .into_iter()
-            .map(|g| PyList::new(py, g.iter().map(|&b| manager.view(py, b))))
+            .map(|g| PyList::new(py, g.iter().map(|&b| block_view(py, pool, b))))
             .collect::<PyResult<Vec<_>>>()?;
         PyTuple::new(py, lists)
     }
@@ -215,11 +191,11 @@ impl PyKVCacheBlocks {
             return Err(PyTypeError::new_err("can only add KVCacheBlocks"));
         };
         let other = other.get();
-        let manager = self
-            .manager
+        let pool = self
+            .pool
             .as_ref()
-            .or(other.manager.as_ref())
-            .map(|m| m.clone_ref(py));
+            .or(other.pool.as_ref())
+            .map(|p| p.clone_ref(py));
         let (ours, theirs) = (self.groups(), other.groups());
         let joined: Vec<Vec<u32>> = ours
             .iter()
@@ -228,9 +204,9 @@ impl PyKVCacheBlocks {
             .collect();
         if self.ends.is_empty() && other.ends.is_empty() {
             let ids = joined.into_iter().next().unwrap_or_default();
-            return Ok(Self::single(ids, manager));
+            return Ok(Self::single(ids, pool));
         }
-        Ok(Self::grouped(joined.iter().map(Vec::as_slice), manager))
+        Ok(Self::grouped(joined.iter().map(Vec::as_slice), pool))
     }
 
     /// A result with no blocks, with as many groups (a method, as vLLM's).
@@ -238,7 +214,7 @@ impl PyKVCacheBlocks {
         Self {
             ids: Vec::new(),
             ends: vec![0; self.ends.len()],
-            manager: None,
+            pool: None,
         }
     }
 
@@ -254,7 +230,7 @@ impl PyKVCacheBlocks {
 /// ``BlockHashWithGroupId`` (the hash, then the group id in 4 big-endian bytes).
 #[pyclass(module = "kvblocks._native", name = "KVCacheBlockView", frozen)]
 pub struct PyBlockView {
-    manager: PoolOwner,
+    pool: PoolHandle,
     #[pyo3(get)]
     block_id: u32,
 }
@@ -262,8 +238,8 @@ pub struct PyBlockView {
 impl PyBlockView {
     fn read<T>(&self, py: Python<'_>, f: impl FnOnce(BlockInfo) -> T) -> PyResult<T> {
         let info = self
-            .manager
-            .with_pool(py, |pool| pool.block(i64::from(self.block_id)))?
+            .pool
+            .with(py, |pool| pool.block(i64::from(self.block_id)))?
             .py()?;
         Ok(f(info))
     }

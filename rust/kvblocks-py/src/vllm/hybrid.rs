@@ -22,14 +22,16 @@ use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxBuildHasher;
 
-use super::{
-    admission_status, block_ids_of, request_attr, request_flag, request_id, with_request_view,
-    HashCache, PoolOwner, PyBlockView, PyKVCacheBlocks, VllmRequest,
+use super::blocks::{block_view, PyBlockView, PyKVCacheBlocks};
+use super::manager::block_ids_of;
+use super::request::{
+    admission_status, request_attr, request_flag, request_id, with_request_view, HashCache,
+    VllmRequest,
 };
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::{take_events, EventSource, EventState};
-use crate::pool::PyBlockPool;
+use crate::pool::{pool_view, PoolHandle, PoolHost, PyBlockPool};
 
 /// The native half of ``kvblocks.vllm.HybridKVCacheManager``: vLLM 0.33.0's
 /// ``KVCacheManager`` methods over several KV cache groups of one block size.
@@ -71,6 +73,16 @@ pub struct PyHybridManager {
     pool_view: OnceLock<Py<PyBlockPool>>,
 }
 
+impl PoolHost for PyHybridManager {
+    fn pool(&self) -> &kvblocks_core::pool::BlockPool {
+        self.inner.block_pool()
+    }
+
+    fn pool_mut(&mut self) -> &mut kvblocks_core::pool::BlockPool {
+        self.inner.block_pool_mut()
+    }
+}
+
 impl EventSource for PyHybridManager {
     fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
         (self.events.as_mut(), self.inner.events())
@@ -82,16 +94,6 @@ impl EventSource for PyHybridManager {
 }
 
 impl PyHybridManager {
-    /// The core manager.
-    pub(crate) fn core(&self) -> &HybridManager {
-        &self.inner
-    }
-
-    /// The core manager, mutably.
-    pub(crate) fn core_mut(&mut self) -> &mut HybridManager {
-        &mut self.inner
-    }
-
     /// Runs `f` on the core manager with a view of `request` whose hashes come from
     /// its cache entry (and tokens attached for events). `in_flight` reads
     /// `request.num_in_flight_tokens` (only `allocate_slots` needs it).
@@ -141,7 +143,7 @@ impl PyHybridManager {
         }
         Py::new(
             py,
-            PyKVCacheBlocks::grouped(groups, Some(PoolOwner::Hybrid(slf.clone().unbind()))),
+            PyKVCacheBlocks::grouped(groups, Some(PoolHandle::new(slf.clone().unbind()))),
         )
     }
 
@@ -286,16 +288,8 @@ impl PyHybridManager {
     /// The pool, as ``kvblocks._native.BlockPool`` (always the same object).
     #[getter]
     fn native_pool(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
-        let py = slf.py();
         let this = slf.try_borrow()?;
-        if let Some(view) = this.pool_view.get() {
-            return Ok(view.clone_ref(py));
-        }
-        let view = Py::new(
-            py,
-            PyBlockPool::of_hybrid(slf.clone().unbind(), this.inner.scheduler_block_size()),
-        )?;
-        Ok(this.pool_view.get_or_init(|| view).clone_ref(py))
+        pool_view(slf, &this.pool_view, this.inner.scheduler_block_size())
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -462,10 +456,10 @@ impl PyHybridManager {
         let mut this = slf.try_borrow_mut()?;
         let blocks = this.inner.pop_blocks_for_free(&id);
         this.hashes.remove(&id);
-        let owner = PoolOwner::Hybrid(slf.clone().unbind());
+        let pool = PoolHandle::new(slf.clone().unbind());
         PyList::new(
             slf.py(),
-            blocks.into_iter().map(|b| owner.view(slf.py(), b)),
+            blocks.into_iter().map(|b| block_view(slf.py(), &pool, b)),
         )
     }
 
@@ -535,7 +529,11 @@ impl PyHybridManager {
             .block_pool()
             .check_id(block_id)
             .py()?;
-        Ok(PoolOwner::Hybrid(slf.clone().unbind()).view(slf.py(), block_id))
+        Ok(block_view(
+            slf.py(),
+            &PoolHandle::new(slf.clone().unbind()),
+            block_id,
+        ))
     }
 
     /// The request's tables, one per group.

@@ -14,13 +14,15 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use rustc_hash::FxBuildHasher;
 
-use super::{
+use super::blocks::{block_view, PyBlockView, PyKVCacheBlocks};
+use super::request::{
     admission_status, request_attr, request_flag, request_id, with_request_view, HashCache,
-    PoolOwner, PyBlockView, PyKVCacheBlocks, VllmRequest,
+    VllmRequest,
 };
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
 use crate::manager::PyKVCacheManager;
+use crate::pool::PoolHandle;
 
 /// The native half of ``kvblocks.vllm.KVCacheManager``: vLLM's
 /// ``KVCacheManager`` methods for one full-attention group, over the native manager.
@@ -89,7 +91,7 @@ impl PyVllmManager {
         }
         Py::new(
             py,
-            PyKVCacheBlocks::single(ids, Some(PoolOwner::Single(slf.clone().unbind()))),
+            PyKVCacheBlocks::single(ids, Some(PoolHandle::new(slf.as_super().clone().unbind()))),
         )
     }
 
@@ -308,8 +310,8 @@ impl PyVllmManager {
         let mut this = slf.try_borrow_mut()?;
         let blocks = this.as_super().inner.pop_blocks_for_free(&id);
         this.hashes.remove(&id);
-        let owner = PoolOwner::Single(slf.clone().unbind());
-        let views = blocks.into_iter().map(|b| owner.view(slf.py(), b));
+        let pool = PoolHandle::new(slf.as_super().clone().unbind());
+        let views = blocks.into_iter().map(|b| block_view(slf.py(), &pool, b));
         PyList::new(slf.py(), views)
     }
 
@@ -394,7 +396,11 @@ impl PyVllmManager {
             .block_pool()
             .check_id(block_id)
             .py()?;
-        Ok(PoolOwner::Single(slf.clone().unbind()).view(slf.py(), block_id))
+        Ok(block_view(
+            slf.py(),
+            &PoolHandle::new(slf.as_super().clone().unbind()),
+            block_id,
+        ))
     }
 
     /// The request's whole block table.

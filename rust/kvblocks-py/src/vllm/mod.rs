@@ -13,12 +13,6 @@ mod hybrid;
 mod manager;
 mod request;
 
-pub(crate) use blocks::PoolOwner;
 pub use blocks::{PyBlockView, PyKVCacheBlocks};
 pub use hybrid::PyHybridManager;
-pub(crate) use manager::block_ids_of;
 pub use manager::PyVllmManager;
-pub(crate) use request::{
-    admission_status, request_attr, request_flag, request_id, with_request_view, HashCache,
-    VllmRequest,
-};
