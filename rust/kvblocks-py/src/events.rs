@@ -20,11 +20,14 @@ use kvblocks_core::BlockHash;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PySlice, PyString};
 
 use crate::convert::int_column;
 use crate::errors::StashedError;
+use crate::imports::{
+    ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_REQUEST_FIELDS,
+    USE_INT_BLOCK_HASHES,
+};
 use crate::request::PyRequest;
 
 /// `kv_cache_spec_kind` of the manager's one group.
@@ -34,10 +37,6 @@ const MEDIUM_GPU: &str = "GPU";
 /// The fields each `BlockStored` and `BlockRemoved` is built with, positionally.
 const STORED_ARGS: usize = 11;
 const REMOVED_ARGS: usize = 3;
-/// The module with the event structs and the shared helpers.
-const EVENTS_MODULE: &str = "kvblocks.events";
-
-static REQUEST_FIELDS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// The classes events are built as, and the `kv_cache_spec_kind` of `BlockStored`.
 struct EventStructs {
@@ -54,10 +53,11 @@ impl EventStructs {
     /// `BlockStored`, `BlockRemoved` and `AllBlocksCleared` of `module`, whose fields
     /// must be those of `kvblocks.events` (as vLLM's are), in the same order.
     fn of(module: &Bound<'_, PyAny>, spec_kind: String) -> PyResult<Self> {
+        let py = module.py();
         Ok(Self {
-            stored: module.getattr("BlockStored")?.unbind(),
-            removed: module.getattr("BlockRemoved")?.unbind(),
-            cleared: module.getattr("AllBlocksCleared")?.unbind(),
+            stored: module.getattr(intern!(py, "BlockStored"))?.unbind(),
+            removed: module.getattr(intern!(py, "BlockRemoved"))?.unbind(),
+            cleared: module.getattr(intern!(py, "AllBlocksCleared"))?.unbind(),
             spec_kind,
             groups: Vec::new(),
         })
@@ -90,9 +90,14 @@ impl EventState {
 
     /// The settings alone, for a manager that switches its own core events on.
     pub fn new(py: Python<'_>) -> PyResult<Self> {
-        let events = py.import(EVENTS_MODULE)?;
-        let int_hashes = events.call_method0("use_int_block_hashes")?.extract()?;
-        let structs = EventStructs::of(&events, FULL_ATTENTION.to_owned())?;
+        let int_hashes = USE_INT_BLOCK_HASHES.get(py)?.call0()?.extract()?;
+        let structs = EventStructs {
+            stored: BLOCK_STORED.get(py)?.clone().unbind(),
+            removed: BLOCK_REMOVED.get(py)?.clone().unbind(),
+            cleared: ALL_BLOCKS_CLEARED.get(py)?.clone().unbind(),
+            spec_kind: FULL_ATTENTION.to_owned(),
+            groups: Vec::new(),
+        };
         Ok(Self {
             int_hashes,
             structs,
@@ -128,8 +133,11 @@ impl EventState {
         ];
         for (theirs, ours, num_args) in classes {
             let (theirs, ours) = (theirs.bind(py), ours.bind(py));
-            let their_fields: Vec<String> = theirs.getattr("__struct_fields__")?.extract()?;
-            let our_fields: Vec<String> = ours.getattr("__struct_fields__")?.extract()?;
+            let their_fields: Vec<String> = theirs
+                .getattr(intern!(py, "__struct_fields__"))?
+                .extract()?;
+            let our_fields: Vec<String> =
+                ours.getattr(intern!(py, "__struct_fields__"))?.extract()?;
             if their_fields.len() < num_args || !our_fields.starts_with(&their_fields) {
                 return Err(PyTypeError::new_err(format!(
                     "{theirs} has the fields {their_fields:?}, not those of {ours}, \
@@ -401,7 +409,7 @@ impl<'py> RequestTokens<'py> {
         };
         let mut planned = None;
         if has_fields {
-            let helper = REQUEST_FIELDS.import(py, EVENTS_MODULE, "block_stored_request_fields")?;
+            let helper = BLOCK_STORED_REQUEST_FIELDS.get(py)?;
             let fields = helper.call1((request, first_block, num_blocks, block_size))?;
             if !fields.is_none() {
                 // Checked now, so that take_events() cannot fail on it.

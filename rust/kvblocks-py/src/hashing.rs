@@ -30,6 +30,7 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
 use crate::convert::{token_ids, type_name, Given};
 use crate::errors::{to_py, IntoPyResult, StashedError};
+use crate::imports::OS_ENVIRON;
 
 // ----------------------------------------------------------------------------- extra keys
 
@@ -545,9 +546,9 @@ impl PyBlockHasher {
         // Read through os.environ, as the reference does, so that changes made from
         // Python (monkeypatch.setenv) are seen.
         let env: Option<String> = if explicit.is_none() {
-            py.import("os")?
-                .getattr("environ")?
-                .call_method1("get", ("PYTHONHASHSEED",))?
+            OS_ENVIRON
+                .get(py)?
+                .call_method1(intern!(py, "get"), (intern!(py, "PYTHONHASHSEED"),))?
                 .extract()?
         } else {
             None
@@ -657,7 +658,10 @@ impl PyBlockHasher {
     #[classattr]
     #[pyo3(name = "__call__")]
     fn call_method(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(py.get_type::<Self>().getattr("_call")?.unbind())
+        Ok(py
+            .get_type::<Self>()
+            .getattr(intern!(py, "_call"))?
+            .unbind())
     }
 }
 

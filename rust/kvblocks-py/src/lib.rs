@@ -7,6 +7,7 @@ mod convert;
 mod errors;
 mod events;
 mod hashing;
+mod imports;
 mod manager;
 mod pool;
 mod request;

@@ -9,14 +9,14 @@
 use kvblocks_core::{BlockHash, Error};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::OnceLock;
 
 use crate::convert::{self, block_hashes, to_list, token_id, token_ids, type_name, Given};
 use crate::errors::to_py;
 use crate::hashing::{NativeRequest, PyBlockHasher, RequestAttrs};
+use crate::imports::{INTEGRAL, ITERABLE};
 
 #[doc = docstring!(Request)]
 #[pyclass(module = "kvblocks._native", name = "Request")]
@@ -166,8 +166,6 @@ fn non_none(obj: Option<&Bound<'_, PyAny>>) -> Option<Py<PyAny>> {
 /// Whether `append_output_token_ids` takes `obj` as one id, as the reference decides:
 /// an `numbers.Integral`, or anything that is not an `Iterable`.
 fn is_single_id(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    static INTEGRAL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-    static ITERABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     // The common cases, without the ABC checks.
     if obj.is_instance_of::<PyInt>() {
         return Ok(true);
@@ -176,10 +174,7 @@ fn is_single_id(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         return Ok(false);
     }
     let py = obj.py();
-    Ok(
-        obj.is_instance(INTEGRAL.import(py, "numbers", "Integral")?)?
-            || !obj.is_instance(ITERABLE.import(py, "collections.abc", "Iterable")?)?,
-    )
+    Ok(obj.is_instance(INTEGRAL.get(py)?)? || !obj.is_instance(ITERABLE.get(py)?)?)
 }
 
 #[pymethods]

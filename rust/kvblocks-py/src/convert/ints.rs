@@ -9,6 +9,7 @@ use pyo3::types::{PyList, PyTuple};
 
 use super::buffer::{BufferView, ItemKind};
 use super::to_list;
+use crate::imports::OPERATOR_INDEX;
 
 /// A column of `i64`s borrowed from a Python buffer or converted into a `Vec`.
 pub enum IntColumn {
@@ -145,8 +146,7 @@ pub fn token_id(item: &Bound<'_, PyAny>) -> PyResult<i64> {
             return Err(err);
         }
         // An integer beyond 64 bits: the message names its value.
-        let index = item.py().import("operator")?.getattr("index")?;
-        let value = index.call1((item,))?;
+        let value = OPERATOR_INDEX.get(item.py())?.call1((item,))?;
         Err(PyValueError::new_err(format!(
             "token id {value} does not fit in a signed 64-bit integer"
         )))

@@ -69,7 +69,9 @@ impl<'py> RequestColumns<'py> {
             );
             let scheduled = match &scheduled_map {
                 Some(map) => map.get_item(&*id)?,
-                None => num_scheduled_tokens.call_method1("get", (&*id, 0))?.into(),
+                None => num_scheduled_tokens
+                    .call_method1(intern!(num_scheduled_tokens.py(), "get"), (&*id, 0))?
+                    .into(),
             };
             cols.scheduled
                 .push(scheduled.map_or(Ok(0), |s| s.extract())?);
@@ -137,7 +139,7 @@ impl RollbackTarget for Target<'_, '_> {
                     native.try_borrow_mut()?.inner.evict_blocks(&order).py()?;
                 }
                 Err(_) => {
-                    manager.call_method1("evict_blocks", (to_evict,))?;
+                    manager.call_method1(intern!(manager.py(), "evict_blocks"), (to_evict,))?;
                 }
             }
             Ok(())
@@ -185,7 +187,7 @@ pub(super) fn fetch_tables<'m>(
     }
     let mut tables = Vec::with_capacity(cols.ids.len());
     for id in &cols.ids {
-        let groups = manager.call_method1("get_block_ids", (&**id,))?;
+        let groups = manager.call_method1(intern!(manager.py(), "get_block_ids"), (&**id,))?;
         // The same rule as `num_kv_cache_groups`: one group's table per request.
         rollback::check_single_group(i64::try_from(groups.len()?).unwrap_or(i64::MAX)).py()?;
         tables.push(int_column(&groups.get_item(0)?)?);
