@@ -164,7 +164,14 @@ def test_requests_failing_together_under_a_fixed_hash_seed(hash_seed: str, candi
     in vLLM's set do so on every run of the suite (this process's seed is random)."""
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
     proc = subprocess.run(
-        [sys.executable, harness.__file__, "--failing-together", candidate, "--repeat", "4"],
+        [
+            sys.executable,
+            str(Path(harness.__file__).parent),
+            "--failing-together",
+            candidate,
+            "--repeat",
+            "4",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -386,7 +393,7 @@ def test_comparison_reports_a_perturbed_manager(
     assert f"step {mismatch.step}" in text
     assert "reference:" in text
     assert "candidate:" in text
-    assert f"harness.py {scn.scenario_id}" in text
+    assert f"harness {scn.scenario_id}" in text
 
 
 def test_comparison_reports_different_inputs(tiny_model_dir: Path) -> None:

@@ -12,7 +12,7 @@ comparison catches a manager that gets one of them slightly wrong.
 ``SEEDS`` seeds run per family and engine; ``KVBLOCKS_HYBRID_SEEDS=N`` runs N instead (a
 soak: ``KVBLOCKS_HYBRID_SEEDS=1000 pytest tests/vllm/test_hybrid.py -k gemma3``).
 ``KVBLOCKS_DIFF_CANDIDATE=stock`` compares vLLM's manager with itself (a self-check of the
-harness). ``python tests/vllm/harness.py gemma3-s7-async`` replays one scenario.
+harness). ``python tests/vllm/harness gemma3-s7-async`` replays one scenario.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ SCENARIOS = [
 def test_same_events_with_salted_requests(
     scenario_id: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(harness, "Request", salted_request)
+    monkeypatch.setattr(harness.driver, "Request", salted_request)
     scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
     _, other, mismatch = harness.differential(scn, tiny_model_dir)
     assert issubclass(other.manager_type, HybridKVCacheManager), other.manager_cls
@@ -54,7 +54,7 @@ def test_salted_events_carry_the_salt(
 ) -> None:
     """The scenarios above publish salted extra keys in a group other than 0 (so the
     comparison looks at them)."""
-    monkeypatch.setattr(harness, "Request", salted_request)
+    monkeypatch.setattr(harness.driver, "Request", salted_request)
     salted_groups: set[int] = set()
     for scenario_id in SCENARIOS:
         scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))

@@ -71,7 +71,7 @@ def test_same_as_vllm_with_a_promoted_spec(
         built.append(promoted_config(num_blocks, block_size, extra=PROMOTED[layout]))
         return built[-1]
 
-    monkeypatch.setattr(harness, "build_kv_cache_config", build)
+    monkeypatch.setattr(harness.driver, "build_kv_cache_config", build)
     scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
     reference, other, mismatch = harness.differential(scn, tiny_model_dir)
     assert "exception" not in reference.records[-1], reference.records[-1]

@@ -99,8 +99,10 @@ def test_a_third_party_scheduler_runs_the_same_with_kvblocks(
     def third_party(scn: harness.Scenario) -> type[Scheduler]:
         return InstrumentedAsyncScheduler if scn.is_async else InstrumentedScheduler
 
-    monkeypatch.setattr(harness, "stock_class", third_party)
-    monkeypatch.setattr(harness, "kvblocks_class", lambda scn: with_kvblocks(third_party(scn)))
+    monkeypatch.setattr(harness.compare, "stock_class", third_party)
+    monkeypatch.setattr(
+        harness.compare, "kvblocks_class", lambda scn: with_kvblocks(third_party(scn))
+    )
     scn = harness.make_scenario(*harness.parse_scenario_id(scenario_id))
     reference, other, mismatch = harness.differential(scn, tiny_model_dir)
     assert "exception" not in reference.records[-1], reference.records[-1]
