@@ -23,8 +23,8 @@ from kvblocks.events import (
     KVEventBatch,
     SequencedKVEventBatch,
     external_block_hash,
-    to_event_extra_keys,
 )
+from kvblocks.extra_keys import Lora, MmItem, MmPosition, RequestExtras, event_extra_keys
 
 ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
@@ -310,11 +310,17 @@ def test_lora_multimodal_and_salt_fields(backend: ModuleType, lora: SimpleNamesp
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(later), type=BlockStored) == later
 
 
-def test_to_event_extra_keys() -> None:
-    assert to_event_extra_keys(None) is None
-    assert to_event_extra_keys(()) is None
-    keys = (("lora", "L", "/p"), ("mm", "img", -3), ("cache_salt", "s"), ("prompt_embeds", b"d"))
-    assert to_event_extra_keys(keys) == ("L", ("img", -3), "s", b"d")
+def test_event_extra_keys_are_untagged() -> None:
+    """The events' form of the keys (the same cases as the core's test): the adapter's
+    name, ``(identifier, offset)`` per item, the salt on block 0; ``None`` for a request
+    without extras on these blocks."""
+    salted = RequestExtras(cache_salt="s")
+    assert event_extra_keys(salted, 1, 2, 4) is None
+    item = MmItem(MmPosition(2, 4), "img", has_identifier=True)
+    extras = RequestExtras(lora=Lora("L", "/p"), mm_items=[item], cache_salt="s")
+    assert event_extra_keys(extras, 0, 3, 4) == [("L", ("img", 2), "s"), ("L", ("img", -2)), ("L",)]
+    late = RequestExtras(mm_items=[MmItem(MmPosition(9, 1), "img", has_identifier=True)])
+    assert event_extra_keys(late, 0, 2, 4) == [None, None]
 
 
 def test_external_block_hash() -> None:

@@ -564,6 +564,113 @@ def test_a_salts_truth_is_tested_once(backend: ModuleType) -> None:
     assert Salt.answers == [True]
 
 
+class Logged:
+    """An object whose listed attributes, truth, length and items are logged when read."""
+
+    def __init__(self, log: list[str], name: str, items: Sequence[Any] = (), **attrs: Any) -> None:
+        self._log, self._name, self._items, self._attrs = log, name, items, attrs
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_") or attr not in self._attrs:
+            raise AttributeError(attr)
+        self._log.append(f"{self._name}.{attr}")
+        return self._attrs[attr]
+
+    def __bool__(self) -> bool:
+        self._log.append(f"bool({self._name})")
+        return True
+
+    def __len__(self) -> int:
+        self._log.append(f"len({self._name})")
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> Any:
+        self._log.append(f"{self._name}[{index}]")
+        return self._items[index]
+
+
+def logged_request(log: list[str], block_hashes: list[bytes]) -> Logged:
+    """A 12-token request with an adapter, a salt and two multimodal items: one over
+    tokens 2..6 (blocks 0 and 1 of 4 tokens), one past its tokens."""
+    items = [
+        Logged(
+            log,
+            f"item{i}",
+            mm_position=Logged(log, f"pos{i}", offset=offset, length=4),
+            identifier=f"img{i}",
+        )
+        for i, offset in enumerate([2, 100])
+    ]
+    lora = Logged(log, "lora", lora_name="L", lora_path="/p", lora_int_id=3)
+    return Logged(
+        log,
+        "request",
+        request_id="r",
+        num_tokens=12,
+        num_computed_tokens=0,
+        block_hashes=block_hashes,
+        all_token_ids=list(range(12)),
+        prompt_embeds=None,
+        lora_request=lora,
+        mm_features=Logged(log, "mm", items),
+        cache_salt="s",
+    )
+
+
+#: After the request's own fields, its extras, in the order of the keys they make.
+EXTRAS_READ_ORDER = [
+    "request.lora_request",
+    "request.mm_features",
+    "request.cache_salt",
+    "bool(lora)",
+    "lora.lora_name",
+    "lora.lora_path",
+    "bool(mm)",
+    "len(mm)",
+    "mm[0]",
+    "item0.mm_position",
+    "pos0.offset",
+    "pos0.length",
+    "mm[1]",
+    "item1.mm_position",
+    "pos1.offset",
+    "pos1.length",
+    "item0.identifier",
+]
+
+
+def test_a_hashed_requests_extras_are_read_in_one_order(backend: ModuleType) -> None:
+    """The documented order (docs/errors.md): the request's fields, then its extras;
+    only the identifiers of the items the hashed blocks overlap are read."""
+    log: list[str] = []
+    hashes = backend.BlockHasher(4)(logged_request(log, []))
+    assert len(hashes) == 3
+    fields = ["request.prompt_embeds", "request.num_tokens", "request.block_hashes"]
+    assert log == [*fields, "request.all_token_ids", *EXTRAS_READ_ORDER]
+
+
+def test_a_cached_requests_extras_are_read_in_one_order_for_events(backend: ModuleType) -> None:
+    """Caching with events on reads the tokens, then the extras as hashing does, then
+    the adapter's id for ``BlockStored.lora_id``."""
+    pytest.importorskip("msgspec")
+    hashes = backend.BlockHasher(4)(logged_request([], []))
+    log: list[str] = []
+    manager = backend.KVCacheManager(16, 4, enable_kv_cache_events=True)
+    manager.allocate_slots(logged_request(log, hashes), 12)
+    fields = ["request.request_id", "request.num_tokens", "request.num_computed_tokens"]
+    tail = ["lora.lora_int_id"]
+    assert log == [
+        *fields,
+        "request.block_hashes",
+        "request.all_token_ids",
+        *EXTRAS_READ_ORDER,
+        *tail,
+    ]
+    (stored,) = manager.take_events()
+    assert stored.lora_id == 3
+    assert stored.extra_keys == [("L", ("img0", 2), "s"), ("L", ("img0", -2)), ("L",)]
+
+
 # ------------------------------------------------------------------ 64-bit ints
 
 

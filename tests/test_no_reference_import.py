@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import kvblocks
 from kvblocks.constants import HASH_ALGORITHMS, LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv
-from kvblocks.extra_keys import generate_block_hash_extra_keys
+from kvblocks.extra_keys import Lora, MmItem, MmPosition, RequestExtras, block_extra_keys
 
 assert kvblocks.BACKEND == "rust", kvblocks.BACKEND
 done = []
@@ -56,10 +56,12 @@ for algo in HASH_ALGORITHMS:
     request = kvblocks.Request(
         f"h-{algo}", range(13), lora_request=lora, cache_salt="salt", mm_features=[image]
     )
-    keys = [
-        generate_block_hash_extra_keys(request, 4 * i, 4 * i + 4, 0)[0]
-        for i in range(cdiv(12, 4))
-    ]
+    extras = RequestExtras(
+        lora=Lora(lora.lora_name, lora.lora_path),
+        mm_items=[MmItem(MmPosition(2, 5), image.identifier, has_identifier=True)],
+        cache_salt=request.cache_salt,
+    )
+    keys = block_extra_keys(extras, 0, cdiv(12, 4), 4)
     assert hasher(request) == hasher.hash_blocks(range(12), extra_keys=keys), algo
 done.append("hasher")
 

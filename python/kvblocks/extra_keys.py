@@ -1,123 +1,243 @@
 """vLLM 0.33.0's block-hash extra keys: what separates blocks whose tokens agree.
 
 A block's extra keys (``None`` or a tuple) enter its hash next to its parent hash and
-token ids, and ``BlockStored`` events publish them untagged
-(:func:`kvblocks.events.to_event_extra_keys`). This module computes them from a request,
-in vLLM's order:
+token ids, and ``BlockStored`` events publish them untagged. This module derives them,
+in vLLM's order, from a request's extras read once as plain data
+(:class:`RequestExtras`):
 
 * ``("lora", lora_name, lora_path)`` on every block of a LoRA request;
 * ``("mm", identifier, offset)`` for every multimodal item overlapping the block, the
   offset relative to the block's first token (negative when the item began earlier);
 * ``("cache_salt", salt)`` on the block starting at token 0, when the salt is truthy.
 
-The reference hasher (:mod:`kvblocks.reference.hashing`) and the events of both
-backends use it; the native hasher computes the same keys in Rust. It imports nothing
-of either backend.
+A backend reads the extras in one order (the adapter, the items' positions, the
+identifiers of the items :func:`mm_items_needed` names, the salt); every rule that
+decides which key a block gets is here, as in the native core's ``extra_keys``. The
+reference hasher and its events use it; it imports nothing of either backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
 
-__all__ = ["ExtraKeys", "generate_block_hash_extra_keys"]
+__all__ = [
+    "MAX_EXTRA_KEYS_DEPTH",
+    "ExtraKeys",
+    "Lora",
+    "MmItem",
+    "MmPosition",
+    "MmWalk",
+    "RequestExtras",
+    "block_extra_keys",
+    "check_extra_keys",
+    "event_extra_keys",
+    "mm_items_needed",
+    "mm_overlaps",
+    "new_blocks",
+]
 
 #: An extra-key value: ``None``, an int, a str, bytes, or a tuple of extra-key values.
 ExtraKeys: TypeAlias = "str | int | bytes | tuple[ExtraKeys, ...] | None"
 
+#: The deepest tuple nesting extra keys may have (a flat tuple is depth 1). vLLM's keys
+#: are two deep; the bound keeps every backend's recursion far from any stack limit.
+MAX_EXTRA_KEYS_DEPTH = 64
 
-def _gen_lora_extra_hash_keys(request: object) -> list[ExtraKeys]:
-    """vLLM 0.33.0: ``("lora", name, path)`` on every block of a LoRA request."""
-    lora_request: Any = getattr(request, "lora_request", None)
-    if not lora_request:
-        return []
-    return [("lora", lora_request.lora_name, lora_request.lora_path)]
+#: How multimodal items are matched to blocks: ``"hashing"`` is vLLM's walk (from
+#: block 0 it resumes where the last block stopped; starting past block 0 only the last
+#: item can still overlap), ``"events"`` starts every block at item 0.
+MmWalk: TypeAlias = Literal["hashing", "events"]
 
 
-def _gen_mm_extra_hash_keys(
-    request: object, start_token_idx: int, end_token_idx: int, start_mm_idx: int
-) -> tuple[list[ExtraKeys], int]:
-    """vLLM 0.33.0's walk over the multimodal items overlapping a block.
+def check_extra_keys(extra_keys: object) -> None:
+    """Checks that a value is a valid extra key, depth first.
 
-    Each overlapping item adds ``("mm", identifier, offset - start_token_idx)``; the
-    offset is negative when the item began in an earlier block.
+    The first offending node in depth-first order decides the error, in both backends.
 
     Args:
-        request: The request (reads ``mm_features``, sorted by offset).
-        start_token_idx: First token of the block.
-        end_token_idx: One past the last token of the block.
-        start_mm_idx: The item to start from; ``-1`` means the last one (used once
-            hashing starts past block 0, when only the last item can still overlap).
+        extra_keys: ``None``, an ``int``, ``str`` or ``bytes``, or a tuple of such values
+            (exact types: ``bool``, subclasses, lists, floats... are refused).
 
-    Returns:
-        The keys and the item index to start the next block from.
+    Raises:
+        TypeError: For a value of any other type.
+        ValueError: For tuples nested more than ``MAX_EXTRA_KEYS_DEPTH`` deep.
+        UnicodeEncodeError: For a string with a lone surrogate, which CBOR cannot
+            encode and the native backend cannot hold.
     """
-    extra_keys: list[ExtraKeys] = []
-    mm_features: Sequence[Any] = getattr(request, "mm_features", None) or ()
-    if not mm_features:
-        return extra_keys, start_mm_idx
+    check_extra_key(extra_keys, 0)
 
-    # Past the end of the last item: nothing can overlap (late prefill, decode).
-    last_pos = mm_features[-1].mm_position
-    if last_pos.offset + last_pos.length <= start_token_idx:
-        return extra_keys, start_mm_idx
 
-    if start_mm_idx < 0:
-        start_mm_idx = len(mm_features) + start_mm_idx
+def check_extra_key(value: object, enclosing_tuples: int) -> None:
+    """:func:`check_extra_keys` for a value nested inside ``enclosing_tuples`` tuples."""
+    # Exact types only: a subclass (bool, an enum, a namedtuple) pickles differently.
+    if value is None or type(value) is int or type(value) is bytes:
+        return
+    if type(value) is str:
+        # Raises UnicodeEncodeError for lone surrogates (the message PyO3 also gives).
+        value.encode("utf-8")
+        return
+    if type(value) is tuple:
+        if enclosing_tuples + 1 > MAX_EXTRA_KEYS_DEPTH:
+            raise ValueError(f"extra keys are nested more than {MAX_EXTRA_KEYS_DEPTH} tuples deep")
+        for item in value:
+            check_extra_key(item, enclosing_tuples + 1)
+        return
+    raise TypeError(
+        f"unsupported extra key type {type(value).__name__!r}; "
+        "extra keys are nested tuples of str, int, bytes and None"
+    )
 
-    curr_mm_idx = start_mm_idx
-    while curr_mm_idx < len(mm_features):
-        mm_feature = mm_features[curr_mm_idx]
-        offset = mm_feature.mm_position.offset
-        length = mm_feature.mm_position.length
-        if end_token_idx <= offset:
+
+def new_blocks(num_hashes: int, num_tokens: int, block_size: int) -> tuple[int, int] | None:
+    """The full blocks of a request holding ``num_tokens`` tokens that its ``num_hashes``
+    known hashes do not cover: ``(first token, number of blocks)``, or ``None``."""
+    start = num_hashes * block_size
+    num_blocks = (num_tokens - start) // block_size
+    return (start, num_blocks) if num_blocks > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class MmPosition:
+    """Where a multimodal item's placeholder tokens are."""
+
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class MmItem:
+    """A multimodal item: its position, and its identifier once read (only the items
+    that overlap the blocks at hand are)."""
+
+    position: MmPosition
+    identifier: Any = None
+    has_identifier: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Lora:
+    """A request's LoRA adapter, as its keys use it."""
+
+    name: Any
+    path: Any
+
+
+@dataclass(slots=True)
+class RequestExtras:
+    """Everything a request adds to its blocks' extra keys, read once.
+
+    Attributes:
+        lora: The adapter, when ``lora_request`` is truthy.
+        mm_items: ``mm_features``, sorted by offset.
+        cache_salt: The salt, when truthy (else ``None``).
+    """
+
+    lora: Lora | None = None
+    mm_items: list[MmItem] = field(default_factory=list)
+    cache_salt: Any = None
+
+
+def _mm_in_block(
+    positions: list[MmPosition], start: int, end: int, cursor: int
+) -> tuple[list[tuple[int, int]], int]:
+    """vLLM 0.33.0's ``_gen_mm_extra_hash_keys`` walk: the items (by index) overlapping
+    the block ``[start, end)`` with their offsets from ``start``, and where the next
+    block's walk resumes. ``cursor`` ``-1`` means the last item."""
+    hits: list[tuple[int, int]] = []
+    if not positions:
+        return hits, cursor
+    last = positions[-1]
+    if last.offset + last.length <= start:
+        # Past every item: vLLM returns the cursor unchanged.
+        return hits, cursor
+    index = len(positions) - 1 if cursor < 0 else cursor
+    while index < len(positions):
+        position = positions[index]
+        if end <= position.offset:
             # The block has not reached this item.
             break
-        if start_token_idx >= offset + length:
+        if start >= position.offset + position.length:
             # The block is past this item.
-            curr_mm_idx += 1
+            index += 1
             continue
-        extra_keys.append(("mm", mm_feature.identifier, offset - start_token_idx))
-        if end_token_idx >= offset + length:
-            # The item ends here; the next one may start in this block too.
-            curr_mm_idx += 1
+        hits.append((index, position.offset - start))
+        if end >= position.offset + position.length:
+            # The item ends in this block; the next one may start in it too.
+            index += 1
         else:
             break
-    return extra_keys, curr_mm_idx
+    return hits, index
 
 
-def generate_block_hash_extra_keys(
-    request: object,
-    start_token_idx: int,
-    end_token_idx: int,
-    start_mm_idx: int,
-    *,
-    salt_is_truthy: bool | None = None,
-) -> tuple[tuple[ExtraKeys, ...] | None, int]:
-    """The extra keys of one block, tagged as vLLM 0.33.0 tags them.
+def mm_overlaps(
+    positions: list[MmPosition], start: int, num_blocks: int, block_size: int, walk: MmWalk
+) -> list[list[tuple[int, int]]]:
+    """For each of ``num_blocks`` blocks of ``block_size`` tokens from token ``start``,
+    the items (by index) that overlap it and their offsets from the block's first token."""
+    cursor = -1 if walk == "hashing" and start != 0 else 0
+    overlaps = []
+    for block in range(num_blocks):
+        block_start = start + block * block_size
+        if walk == "events":
+            cursor = 0
+        hits, cursor = _mm_in_block(positions, block_start, block_start + block_size, cursor)
+        overlaps.append(hits)
+    return overlaps
 
-    Order: LoRA, multimodal, then ``("cache_salt", salt)`` on the block starting at
-    token 0 when the salt is truthy.
 
-    Args:
-        request: The request.
-        start_token_idx: First token of the block.
-        end_token_idx: One past the last token of the block.
-        start_mm_idx: Where the multimodal walk starts (see ``_gen_mm_extra_hash_keys``).
-        salt_is_truthy: The salt's truth when the caller has tested it already (each
-            attribute is read once); ``None`` tests it here.
+def mm_items_needed(overlaps: list[list[tuple[int, int]]]) -> list[int]:
+    """The items whose identifiers ``overlaps`` uses, in item order, each once."""
+    return sorted({item for hits in overlaps for item, _ in hits})
 
-    Returns:
-        The keys (``None`` when there are none) and the next multimodal index.
+
+def _identifier(extras: RequestExtras, item: int) -> Any:
+    mm_item = extras.mm_items[item]
+    if not mm_item.has_identifier:
+        raise AssertionError(f"multimodal item {item}'s identifier was not read")
+    return mm_item.identifier
+
+
+def block_extra_keys(
+    extras: RequestExtras, start: int, num_blocks: int, block_size: int
+) -> list[tuple[ExtraKeys, ...] | None] | None:
+    """The extra keys of ``num_blocks`` blocks of ``block_size`` tokens from token
+    ``start``, tagged as vLLM tags them, one entry per block (``None`` for a block
+    without keys); ``None`` when no block has any. The extras' values were checked
+    when they were read, so every key is a valid one.
     """
-    mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
-        request, start_token_idx, end_token_idx, start_mm_idx
-    )
-    cache_salt = getattr(request, "cache_salt", None)
-    if start_token_idx != 0:
-        has_salt = False
-    else:
-        has_salt = bool(cache_salt) if salt_is_truthy is None else salt_is_truthy
-    salt_keys: list[ExtraKeys] = [("cache_salt", cache_salt)] if has_salt else []
-    extra_keys = _gen_lora_extra_hash_keys(request) + mm_keys + salt_keys
-    return (tuple(extra_keys) if extra_keys else None), next_mm_idx
+    salted = start == 0 and extras.cache_salt is not None
+    if num_blocks == 0 or (not extras.mm_items and not salted and extras.lora is None):
+        return None
+    lora = extras.lora
+    lora_key = [] if lora is None else [("lora", lora.name, lora.path)]
+    positions = [item.position for item in extras.mm_items]
+    keys: list[tuple[ExtraKeys, ...] | None] = []
+    for block, hits in enumerate(mm_overlaps(positions, start, num_blocks, block_size, "hashing")):
+        block_keys: list[ExtraKeys] = list(lora_key)
+        block_keys += [("mm", _identifier(extras, item), offset) for item, offset in hits]
+        if start + block * block_size == 0 and salted:
+            block_keys.append(("cache_salt", extras.cache_salt))
+        keys.append(tuple(block_keys) if block_keys else None)
+    return keys
+
+
+def event_extra_keys(
+    extras: RequestExtras, first_block: int, num_blocks: int, block_size: int
+) -> list[tuple[Any, ...] | None] | None:
+    """The extra keys of blocks ``first_block ..`` as a ``BlockStored`` publishes them,
+    untagged: per block the adapter's name, ``(identifier, offset)`` per item, the salt.
+    ``None`` when the request has no adapter, no items and no salt on these blocks."""
+    salted = first_block == 0 and extras.cache_salt is not None
+    if not extras.mm_items and not salted and extras.lora is None:
+        return None
+    start = first_block * block_size
+    positions = [item.position for item in extras.mm_items]
+    keys: list[tuple[Any, ...] | None] = []
+    for block, hits in enumerate(mm_overlaps(positions, start, num_blocks, block_size, "events")):
+        block_keys: list[Any] = [] if extras.lora is None else [extras.lora.name]
+        block_keys += [(_identifier(extras, item), offset) for item, offset in hits]
+        if start + block * block_size == 0 and salted:
+            block_keys.append(extras.cache_salt)
+        keys.append(tuple(block_keys) if block_keys else None)
+    return keys

@@ -27,9 +27,7 @@ from kvblocks.events.wire import (
     KVCacheEvent,
     KVEventBatch,
     SequencedKVEventBatch,
-    block_stored_request_fields,
     external_block_hash,
-    to_event_extra_keys,
     use_int_block_hashes,
 )
 
@@ -47,9 +45,7 @@ __all__ = [
     "KVEventBatch",
     "SequencedKVEventBatch",
     "ZmqEventPublisher",
-    "block_stored_request_fields",
     "external_block_hash",
     "offset_endpoint_port",
-    "to_event_extra_keys",
     "use_int_block_hashes",
 ]

@@ -44,8 +44,6 @@ from typing import Any
 
 import msgspec
 
-from kvblocks.extra_keys import generate_block_hash_extra_keys
-
 __all__ = [
     "FULL_ATTENTION",
     "INT_BLOCK_HASHES_ENV",
@@ -58,9 +56,7 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "SequencedKVEventBatch",
-    "block_stored_request_fields",
     "external_block_hash",
-    "to_event_extra_keys",
     "use_int_block_hashes",
 ]
 
@@ -212,51 +208,3 @@ def external_block_hash(block_hash: bytes, as_int: bool) -> ExternalBlockHash:
     if not as_int:
         return block_hash
     return int.from_bytes(block_hash, "big") & _LOW_64_BITS
-
-
-def to_event_extra_keys(extra_keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
-    """One block's tagged hash extra keys in the untagged form events publish.
-
-    ``("mm", identifier, offset)`` becomes ``(identifier, offset)``; every other key
-    (``("lora", name, path)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``)
-    becomes its second element.
-    """
-    if not extra_keys:
-        return None
-    return tuple((key[1], key[2]) if key[0] == "mm" else key[1] for key in extra_keys)
-
-
-def block_stored_request_fields(
-    request: object, first_block: int, num_blocks: int, block_size: int
-) -> tuple[int | None, str | None, list[tuple[Any, ...] | None]] | None:
-    """The request-dependent fields of a ``BlockStored``: LoRA id and name, extra keys.
-
-    Both backends call this when they record a ``BlockStored``, so they agree on it.
-
-    Args:
-        request: The request whose blocks were cached (reads ``lora_request``,
-            ``cache_salt`` and ``mm_features`` when present).
-        first_block: Index of the first cached block in the request.
-        num_blocks: How many blocks were cached.
-        block_size: Tokens per block.
-
-    Returns:
-        ``None`` for a request without LoRA, multimodal items or cache salt on these
-        blocks (no LoRA fields and ``extra_keys == [None] * num_blocks``); otherwise
-        ``(lora_id, lora_name, extra_keys)``.
-    """
-    lora_request: Any = getattr(request, "lora_request", None)
-    salted = first_block == 0 and bool(getattr(request, "cache_salt", None))
-    if not lora_request and not salted and not getattr(request, "mm_features", None):
-        return None
-    extra_keys: list[tuple[Any, ...] | None] = []
-    # Starting the multimodal walk at item 0 for every block finds every item that
-    # overlaps it, wherever the range starts.
-    for block in range(first_block, first_block + num_blocks):
-        start = block * block_size
-        keys, _ = generate_block_hash_extra_keys(request, start, start + block_size, 0)
-        extra_keys.append(to_event_extra_keys(keys))
-    if not lora_request:
-        return None, None, extra_keys
-    lora_id = getattr(lora_request, "adapter_id", getattr(lora_request, "lora_int_id", None))
-    return lora_id, lora_request.lora_name, extra_keys

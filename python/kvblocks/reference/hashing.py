@@ -36,14 +36,26 @@ import operator
 import os
 import pickle
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, SupportsIndex, TypeAlias
 
 import cbor2
 import xxhash as _xxhash
 
 from kvblocks.constants import HASH_ALGORITHMS
-from kvblocks.extra_keys import ExtraKeys, generate_block_hash_extra_keys
+from kvblocks.extra_keys import (
+    MAX_EXTRA_KEYS_DEPTH,
+    ExtraKeys,
+    Lora,
+    MmItem,
+    MmPosition,
+    MmWalk,
+    RequestExtras,
+    block_extra_keys,
+    check_extra_key,
+    check_extra_keys,
+    mm_items_needed,
+    mm_overlaps,
+)
 from kvblocks.reference.kv_cache_utils import (
     INT64_MAX,
     INT64_MIN,
@@ -62,8 +74,9 @@ __all__ = [
     "HashableRequest",
     "check_extra_keys",
     "check_token_ids",
-    "generate_block_hash_extra_keys",
+    "extras_attrs",
     "get_hash_fn_by_name",
+    "read_extras",
     "resolve_seed",
     "sha256",
     "sha256_cbor",
@@ -81,10 +94,6 @@ PICKLE_PROTOCOL = 5
 
 #: The seed of the SHA-256 algorithms when neither a seed nor ``PYTHONHASHSEED`` is given.
 DEFAULT_SEED = "vllm-none-hash"
-
-#: The deepest tuple nesting extra keys may have (a flat tuple is depth 1). vLLM's keys
-#: are two deep; the bound keeps every backend's recursion far from any stack limit.
-MAX_EXTRA_KEYS_DEPTH = 64
 
 
 def sha256(value: object) -> bytes:
@@ -221,44 +230,6 @@ def check_token_ids(token_ids: Iterable[SupportsIndex]) -> tuple[int, ...]:
     return tuple(tokens)
 
 
-def check_extra_keys(extra_keys: object) -> None:
-    """Checks that a value is a valid extra key, depth first.
-
-    The first offending node in depth-first order decides the error, in both backends.
-
-    Args:
-        extra_keys: ``None``, an ``int``, ``str`` or ``bytes``, or a tuple of such values
-            (exact types: ``bool``, subclasses, lists, floats... are refused).
-
-    Raises:
-        TypeError: For a value of any other type.
-        ValueError: For tuples nested more than ``MAX_EXTRA_KEYS_DEPTH`` deep.
-        UnicodeEncodeError: For a string with a lone surrogate, which CBOR cannot
-            encode and the native backend cannot hold.
-    """
-    _check_extra_key(extra_keys, 0)
-
-
-def _check_extra_key(value: object, enclosing_tuples: int) -> None:
-    # Exact types only: a subclass (bool, an enum, a namedtuple) pickles differently.
-    if value is None or type(value) is int or type(value) is bytes:
-        return
-    if type(value) is str:
-        # Raises UnicodeEncodeError for lone surrogates (the message PyO3 also gives).
-        value.encode("utf-8")
-        return
-    if type(value) is tuple:
-        if enclosing_tuples + 1 > MAX_EXTRA_KEYS_DEPTH:
-            raise ValueError(f"extra keys are nested more than {MAX_EXTRA_KEYS_DEPTH} tuples deep")
-        for item in value:
-            _check_extra_key(item, enclosing_tuples + 1)
-        return
-    raise TypeError(
-        f"unsupported extra key type {type(value).__name__!r}; "
-        "extra keys are nested tuples of str, int, bytes and None"
-    )
-
-
 def _check_parent(parent: object) -> bytes | None:
     # Exact bytes: a subclass would pickle as a different object.
     if parent is None or type(parent) is bytes:
@@ -306,67 +277,64 @@ class HashableRequest(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class _MmPosition:
-    offset: int
-    length: int
+def extras_attrs(request: object) -> tuple[Any, Any, Any]:
+    """``getattr(request, name, None)`` for ``lora_request``, ``mm_features`` and
+    ``cache_salt``, in that order: the attributes :func:`read_extras` reads."""
+    return (
+        getattr(request, "lora_request", None),
+        getattr(request, "mm_features", None),
+        getattr(request, "cache_salt", None),
+    )
 
 
-class _MmItem:
-    """A multimodal item as read once: its position now, its ``identifier`` on first use
-    (only items overlapping a hashed block are asked for one)."""
+def read_extras(
+    attrs: tuple[Any, Any, Any], start: int, num_blocks: int, block_size: int, walk: MmWalk
+) -> RequestExtras:
+    """A request's extras for ``num_blocks`` blocks of ``block_size`` tokens from token
+    ``start``, read in the order of the keys they make: ``lora_request``'s truth,
+    ``lora_name``, ``lora_path``; ``mm_features``' truth, length and each item's
+    ``mm_position.offset`` and ``.length``, then the ``identifier`` of each item the
+    blocks overlap (``walk``), in item order; ``cache_salt``'s truth. Each value is
+    checked as an extra key when it is read.
 
-    __slots__ = ("_feature", "_identifier", "mm_position")
+    Args:
+        attrs: The request's attributes, from :func:`extras_attrs`.
+        start: The first token of the blocks.
+        num_blocks: How many blocks.
+        block_size: Tokens per block.
+        walk: How the multimodal items are matched to the blocks.
 
-    def __init__(self, feature: Any, mm_position: _MmPosition) -> None:
-        self._feature = feature
-        self.mm_position = mm_position
-        self._identifier: Any = _UNREAD
+    Raises:
+        TypeError: For a value that is not a valid extra key.
+        ValueError: For a value nested too deep.
+    """
+    lora_request, mm_features, cache_salt = attrs
+    extras = RequestExtras()
+    if lora_request:
+        name = _read_key(lora_request.lora_name)
+        extras.lora = Lora(name, _read_key(lora_request.lora_path))
+    features = []
+    if mm_features:
+        for i in range(len(mm_features)):
+            feature = mm_features[i]
+            position = feature.mm_position
+            offset, length = to_int(position.offset), to_int(position.length)
+            extras.mm_items.append(MmItem(MmPosition(offset, length)))
+            features.append(feature)
+    positions = [item.position for item in extras.mm_items]
+    for index in mm_items_needed(mm_overlaps(positions, start, num_blocks, block_size, walk)):
+        item = extras.mm_items[index]
+        item.identifier = _read_key(features[index].identifier)
+        item.has_identifier = True
+    if cache_salt:
+        extras.cache_salt = _read_key(cache_salt)
+    return extras
 
-    @property
-    def identifier(self) -> Any:
-        if self._identifier is _UNREAD:
-            self._identifier = self._feature.identifier
-        return self._identifier
 
-
-@dataclass(frozen=True, slots=True)
-class _Lora:
-    lora_name: Any
-    lora_path: Any
-
-
-_UNREAD = object()
-
-
-@dataclass(frozen=True, slots=True)
-class _ExtraKeySource:
-    """The extra-key attributes of a request, each read once, in the native order:
-    ``lora_request``, ``cache_salt``, ``mm_features`` (``getattr`` with ``None``); then,
-    when a block is hashed, ``mm_features``' truth, length and each item's position,
-    the salt's truth (hashing from block 0 only), the adapter's truth, name and path."""
-
-    lora_request: _Lora | None
-    cache_salt: Any
-    mm_features: list[_MmItem]
-
-    @classmethod
-    def read(cls, request: object, start: int, hashes_any: bool) -> _ExtraKeySource:
-        lora_request: Any = getattr(request, "lora_request", None)
-        cache_salt: Any = getattr(request, "cache_salt", None)
-        mm_features: Any = getattr(request, "mm_features", None)
-        if not hashes_any:
-            return cls(None, None, [])
-        items = []
-        if mm_features:
-            for i in range(len(mm_features)):
-                feature = mm_features[i]
-                position = feature.mm_position
-                offset, length = to_int(position.offset), to_int(position.length)
-                items.append(_MmItem(feature, _MmPosition(offset, length)))
-        salt = cache_salt if start == 0 and cache_salt else None
-        lora = _Lora(lora_request.lora_name, lora_request.lora_path) if lora_request else None
-        return cls(lora, salt, items)
+def _read_key(value: object) -> object:
+    """``value``, checked as a part of a key (inside the block's tuple and the key's)."""
+    check_extra_key(value, 2)
+    return value
 
 
 class BlockHasher:
@@ -511,9 +479,9 @@ class BlockHasher:
                 "requests with prompt_embeds are not supported: kvblocks hashes token ids only"
             )
         block_size = self._block_size
+        num_tokens = to_int(request.num_tokens)
         known = request.block_hashes
         start = len(known) * block_size
-        num_tokens = to_int(request.num_tokens)
         if start + block_size > num_tokens:
             return []
         parent = _check_parent(known[-1]) if known else None
@@ -523,21 +491,12 @@ class BlockHasher:
         # walk below covers those, never the claim.
         end = start + len(tokens) // block_size * block_size
 
-        source = _ExtraKeySource.read(request, start, end > start)
-
-        # Past block 0 only the last multimodal item can still overlap (vLLM's -1).
-        mm_idx = 0 if start == 0 else -1
-        extra_keys: list[ExtraKeys] = []
-        for block_start in range(start, end, block_size):
-            keys, mm_idx = generate_block_hash_extra_keys(
-                source,
-                block_start,
-                block_start + block_size,
-                mm_idx,
-                salt_is_truthy=source.cache_salt is not None,
-            )
-            check_extra_keys(keys)
-            extra_keys.append(keys)
+        attrs = extras_attrs(request)
+        extra_keys = None
+        if end > start:
+            num_hashed = (end - start) // block_size
+            extras = read_extras(attrs, start, num_hashed, block_size, "hashing")
+            extra_keys = block_extra_keys(extras, start, num_hashed, block_size)
         return self._chain(parent, tokens, extra_keys)
 
     def _chain(

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvblocks.constants import cdiv
 from kvblocks.errors import BlockStateError
+from kvblocks.extra_keys import event_extra_keys
 from kvblocks.reference.block_pool import BlockPool
 from kvblocks.reference.borrow import reads, unguarded, writes
+from kvblocks.reference.hashing import extras_attrs, read_extras
 from kvblocks.reference.kv_cache_utils import (
     PrefixCacheStats,
     check_block_hash,
@@ -670,7 +672,6 @@ class KVCacheManager:
         from kvblocks.events import (  # noqa: PLC0415 (kvblocks.events needs the optional msgspec)
             MEDIUM_GPU,
             BlockStored,
-            block_stored_request_fields,
             external_block_hash,
         )
 
@@ -684,13 +685,17 @@ class KVCacheManager:
             for t in view.request.all_token_ids[num_cached * block_size : num_full * block_size]
         ]
         num_blocks = num_full - num_cached
-        # LoRA id and name and per-block extra keys; None when the request has none.
-        fields = block_stored_request_fields(view.request, num_cached, num_blocks, block_size)
+        attrs = extras_attrs(view.request)
+        extras = read_extras(attrs, num_cached * block_size, num_blocks, block_size, "events")
+        keys = event_extra_keys(extras, num_cached, num_blocks, block_size)
         lora_id: int | None = None
         lora_name: str | None = None
-        extra_keys: list[tuple[Any, ...] | None] = [None] * num_blocks
-        if fields is not None:
-            lora_id, lora_name, extra_keys = fields
+        extra_keys: list[tuple[Any, ...] | None] = [None] * num_blocks if keys is None else keys
+        if keys is not None and extras.lora is not None:
+            lora_request = attrs[0]
+            int_id = getattr(lora_request, "lora_int_id", None)
+            lora_id = getattr(lora_request, "adapter_id", int_id)
+            lora_name = extras.lora.name
         return BlockStored(
             block_hashes=[external_block_hash(h, as_int) for h in hashes],
             parent_block_hash=None if parent is None else external_block_hash(parent, as_int),

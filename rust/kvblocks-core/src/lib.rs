@@ -9,6 +9,7 @@
 //! * [`partial_keys`] — vLLM's partial prompt-tail keys beside the prefix map.
 //! * [`pool`] — the block pool: ref counts, allocation, frees, touch, caching, eviction.
 //! * [`hashing`] — vLLM-identical block hashing (pickle / CBOR serialisation, SHA-256, xxh3).
+//! * [`extra_keys`] — a request's new blocks and their extra keys, from its extras.
 //! * [`manager`] — the request-level KV cache manager for one full-attention group.
 //! * [`hybrid`] — vLLM's manager over several groups (full, sliding-window and
 //!   chunked-local attention) or one local-attention group.
@@ -20,12 +21,12 @@
 pub mod block_hash;
 pub mod error;
 pub mod events;
+pub mod extra_keys;
 pub mod free_queue;
 pub mod hashing;
 pub mod hybrid;
 mod index;
 pub mod manager;
-pub mod new_blocks;
 pub mod partial_keys;
 pub mod pool;
 pub mod prefix_map;

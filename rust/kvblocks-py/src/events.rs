@@ -14,20 +14,22 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use kvblocks_core::events::{hash_as_u64, EventLog, EventRecord};
+use kvblocks_core::extra_keys::{event_extra_keys, MmWalk, RequestExtras};
+use kvblocks_core::hashing::Value;
 use kvblocks_core::manager::KVCacheManager;
 use kvblocks_core::request::{HashSource, RequestView, TokenSource};
 use kvblocks_core::BlockHash;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySlice, PyString};
+use pyo3::types::{PyBytes, PyList, PySlice, PyTuple};
 
 use crate::convert::int_column;
-use crate::errors::StashedError;
-use crate::imports::{
-    ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_REQUEST_FIELDS,
-    USE_INT_BLOCK_HASHES,
+use crate::errors::{IntoPyResult, StashedError};
+use crate::extra_keys::{
+    attr_or_none, read_extras, value_to_py, ExtrasAttrs, Identities, KeyedBlocks,
 };
+use crate::imports::{ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, USE_INT_BLOCK_HASHES};
 use crate::request::PyRequest;
 
 /// `kv_cache_spec_kind` of the manager's one group.
@@ -359,7 +361,8 @@ impl<'py> RequestTokens<'py> {
         result
     }
 
-    /// Reads the tokens of `range` and, for a request with extra keys, its fields.
+    /// Reads the tokens of `range` and the request's extras for its blocks, and plans
+    /// the `BlockStored` fields of a request with any.
     fn read(
         &self,
         request: &Bound<'py, PyAny>,
@@ -370,7 +373,7 @@ impl<'py> RequestTokens<'py> {
         let py = request.py();
         let first_block = range.start / block_size.max(1);
         let num_blocks = range.len() / block_size.max(1);
-        let has_fields = if let Ok(native) = request.cast::<PyRequest>() {
+        let attrs = if let Ok(native) = request.cast::<PyRequest>() {
             let native = native.try_borrow()?;
             let view = native.hash_view(py);
             let end = range.end.min(view.tokens.len());
@@ -379,12 +382,7 @@ impl<'py> RequestTokens<'py> {
                     .get(range.start.min(end)..end)
                     .unwrap_or_default(),
             );
-            // Most requests have none of these: no Python call for them. The test is
-            // the helper's own (truthiness), as for any other request below.
-            let attrs = &view.attrs;
-            attrs.lora_request.is_truthy()?
-                || (first_block == 0 && attrs.cache_salt.is_truthy()?)
-                || attrs.mm_features.is_truthy()?
+            view.attrs
         } else {
             let slice = PySlice::new(
                 py,
@@ -396,30 +394,61 @@ impl<'py> RequestTokens<'py> {
                 .getattr(intern!(py, "all_token_ids"))?
                 .get_item(slice)?;
             out.extend_from_slice(&int_column(&tokens)?);
-            // The helper's own test, read here so that a plain request (vLLM's usual
-            // case) costs no Python call per caching step.
-            let truthy = |name: &Bound<'py, PyString>| -> PyResult<bool> {
-                request
-                    .getattr_opt(name)?
-                    .map_or(Ok(false), |v| v.is_truthy())
-            };
-            truthy(intern!(py, "lora_request"))?
-                || (first_block == 0 && truthy(intern!(py, "cache_salt"))?)
-                || truthy(intern!(py, "mm_features"))?
+            ExtrasAttrs::of(request)?
         };
-        let mut planned = None;
-        if has_fields {
-            let helper = BLOCK_STORED_REQUEST_FIELDS.get(py)?;
-            let fields = helper.call1((request, first_block, num_blocks, block_size))?;
-            if !fields.is_none() {
-                // Checked now, so that take_events() cannot fail on it.
-                fields.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)>()?;
-                planned = Some(fields.unbind());
-            }
-        }
+        let blocks = KeyedBlocks {
+            start: first_block * block_size,
+            num_blocks,
+            block_size,
+            walk: MmWalk::Events,
+        };
+        let mut keep = Vec::new();
+        let extras = read_extras(&attrs, blocks, &mut Identities::new(None), &mut keep)?;
+        let keys = event_extra_keys(&extras, first_block, num_blocks, block_size).py()?;
+        let planned = keys
+            .map(|keys| stored_fields(&attrs.lora_request, &extras, keys.as_slice()))
+            .transpose()?;
         self.fields.borrow_mut().push(planned);
         Ok(())
     }
+}
+
+/// `(lora_id, lora_name, extra_keys)` of a `BlockStored`: the adapter's `lora_int_id`,
+/// or its `adapter_id` when it has one, and name; the keys as tuples.
+fn stored_fields(
+    lora_request: &Bound<'_, PyAny>,
+    extras: &RequestExtras,
+    keys: &[Option<Vec<Value>>],
+) -> PyResult<Py<PyAny>> {
+    let py = lora_request.py();
+    let none = || py.None().into_bound(py);
+    let (lora_id, lora_name) = match &extras.lora {
+        Some(lora) => {
+            let int_id = attr_or_none(lora_request, intern!(py, "lora_int_id"))?;
+            let id = lora_request
+                .getattr_opt(intern!(py, "adapter_id"))?
+                .unwrap_or(int_id);
+            (id, value_to_py(py, &lora.name)?)
+        }
+        None => (none(), none()),
+    };
+    let keys = keys
+        .iter()
+        .map(|block| match block {
+            Some(values) => {
+                let items = values
+                    .iter()
+                    .map(|v| value_to_py(py, v))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok(PyTuple::new(py, items)?.into_any())
+            }
+            None => Ok(none()),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok((lora_id, lora_name, PyList::new(py, keys)?)
+        .into_pyobject(py)?
+        .into_any()
+        .unbind())
 }
 
 impl TokenSource for RequestTokens<'_> {

@@ -1,11 +1,6 @@
 //! `BlockHasher` for Python: argument conversion around
-//! `kvblocks_core::hashing::BlockHasher`, and vLLM's request hasher (`__call__`), which
-//! reads a request's LoRA adapter, multimodal items and cache salt for extra keys.
-//!
-//! Pickle memoizes `str`, `bytes` and tuple objects by identity, so the conversion of
-//! extra keys into core [`Value`]s tags those nodes with the identity of the Python
-//! object they came from ([`Identities`]): the core then writes memo references exactly
-//! where CPython's pickler would.
+//! `kvblocks_core::hashing::BlockHasher`, and vLLM's request hasher (`__call__`), whose
+//! extra keys come from the request's extras (`crate::extra_keys::read_extras`).
 //!
 //! Speed: token ids of exact lists and tuples are read with no reference counting, and
 //! a native `Request` is hashed from its `Vec` with no Python call per block.
@@ -14,118 +9,22 @@
 // `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
-
+use kvblocks_core::extra_keys::{block_extra_keys, new_blocks, MmWalk};
 use kvblocks_core::hashing::{
-    py_repr, resolve_seed, too_deep_error, BlockHasher as CoreHasher, HashAlgo, MmPosition,
-    ObjectId, Tuple, Value, MAX_DEPTH,
+    py_repr, resolve_seed, BlockHasher as CoreHasher, HashAlgo, ObjectId, Value,
 };
-use kvblocks_core::new_blocks::{block_extra_keys, new_blocks, ExtraKeySource};
 use kvblocks_core::{BlockHash, Error};
-use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySlice, PyString, PyTuple};
 
 use crate::convert::{token_ids, type_name, Given};
-use crate::errors::{to_py, IntoPyResult, StashedError};
+use crate::errors::{to_py, IntoPyResult};
+use crate::extra_keys::{
+    attr_or_none, extra_key, read_extras, ExtrasAttrs, Identities, KeyedBlocks,
+};
 use crate::imports::OS_ENVIRON;
-
-// ----------------------------------------------------------------------------- extra keys
-
-/// Object identities inside one hashing call: the tag of every `str`, `bytes` and tuple
-/// node is the identity of its Python object, so that the core's pickler memoizes
-/// exactly the objects CPython's would. Every tagged object must stay alive for the
-/// whole call (addresses are only unique among live objects): they are held by the
-/// caller's arguments, or by the handles the request hasher keeps.
-pub struct Identities {
-    tags: HashMap<usize, ObjectId>,
-    next: u32,
-}
-
-impl Identities {
-    /// Identities where `parent` (if given) is the object pickled as the first block's
-    /// parent, with its reserved tag ([`ObjectId::PARENT`] or [`ObjectId::NONE_HASH`]).
-    fn new(parent: Option<(&Bound<'_, PyAny>, ObjectId)>) -> Self {
-        let mut tags = HashMap::new();
-        if let Some((obj, id)) = parent {
-            tags.insert(obj.as_ptr().addr(), id);
-        }
-        Self { tags, next: 0 }
-    }
-
-    /// The tag of `obj`'s identity. Past four billion distinct objects (unreachable in
-    /// practice) nodes go untagged, which only loses memo references.
-    fn tag(&mut self, obj: &Bound<'_, PyAny>) -> Option<ObjectId> {
-        match self.tags.entry(obj.as_ptr().addr()) {
-            Entry::Occupied(e) => Some(*e.get()),
-            Entry::Vacant(e) => {
-                let id = ObjectId(self.next);
-                if id >= ObjectId::NONE_HASH {
-                    return None;
-                }
-                self.next += 1;
-                Some(*e.insert(id))
-            }
-        }
-    }
-}
-
-/// Converts an extra key nested inside `enclosing` tuples, checking it as the
-/// reference's `check_extra_keys` does, depth first: exact types only, tuples at most
-/// [`MAX_DEPTH`] deep, strings without lone surrogates.
-fn extra_key(obj: &Bound<'_, PyAny>, ids: &mut Identities, enclosing: usize) -> PyResult<Value> {
-    if obj.is_none() {
-        return Ok(Value::None);
-    }
-    if obj.is_exact_instance_of::<PyInt>() {
-        return int_key(obj);
-    }
-    if let Ok(b) = obj.cast_exact::<PyBytes>() {
-        return Ok(Value::Bytes(b.as_bytes().into(), ids.tag(obj)));
-    }
-    if let Ok(s) = obj.cast_exact::<PyString>() {
-        // Raises UnicodeEncodeError for lone surrogates, as `str.encode` does.
-        return Ok(Value::Str(s.to_str()?.into(), ids.tag(obj)));
-    }
-    if let Ok(t) = obj.cast_exact::<PyTuple>() {
-        // Checked on the way down, so recursion never goes deeper than MAX_DEPTH.
-        if enclosing + 1 > MAX_DEPTH {
-            return Err(to_py(&too_deep_error()));
-        }
-        let items = t
-            .iter()
-            .map(|item| extra_key(&item, ids, enclosing + 1))
-            .collect::<PyResult<Vec<Value>>>()?;
-        return Tuple::new(items, ids.tag(obj)).map(Value::Tuple).py();
-    }
-    Err(PyTypeError::new_err(format!(
-        "unsupported extra key type {}; extra keys are nested tuples of str, int, bytes and None",
-        py_repr(&type_name(obj))
-    )))
-}
-
-/// An exact `int` of any size.
-fn int_key(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
-    match obj.extract::<i64>() {
-        Ok(n) => Ok(Value::Int(n)),
-        Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => {
-            // Beyond i64: `n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)`.
-            let py = obj.py();
-            let bits: usize = obj.call_method0(intern!(py, "bit_length"))?.extract()?;
-            let kwargs = PyDict::new(py);
-            kwargs.set_item(intern!(py, "signed"), true)?;
-            let le = obj.call_method(
-                intern!(py, "to_bytes"),
-                (bits / 8 + 1, intern!(py, "little")),
-                Some(&kwargs),
-            )?;
-            Ok(Value::int_from_le_bytes(le.cast::<PyBytes>()?.as_bytes()))
-        }
-        Err(err) => Err(err),
-    }
-}
 
 /// `parent` as the reference's `_check_parent` takes it: `None` or exact `bytes`.
 fn parent_arg<'a, 'py>(parent: &'a Bound<'py, PyAny>) -> PyResult<Option<&'a Bound<'py, PyBytes>>> {
@@ -142,19 +41,6 @@ fn parent_arg<'a, 'py>(parent: &'a Bound<'py, PyAny>) -> PyResult<Option<&'a Bou
 
 // ----------------------------------------------------------------------------- requests
 
-/// The attributes of a request that its extra keys come from (Python `None` when a
-/// duck-typed request lacks one).
-pub struct RequestAttrs<'py> {
-    /// `lora_request`: `("lora", lora_name, lora_path)` on every block when truthy.
-    pub lora_request: Bound<'py, PyAny>,
-    /// `cache_salt`: `("cache_salt", salt)` on the block starting at token 0 when truthy.
-    pub cache_salt: Bound<'py, PyAny>,
-    /// `mm_features`: `("mm", identifier, offset - block start)` per overlapping item.
-    pub mm_features: Bound<'py, PyAny>,
-    /// `prompt_embeds`: requests that have them are refused.
-    pub prompt_embeds: Bound<'py, PyAny>,
-}
-
 /// A native request's state, as the hasher reads it.
 pub struct NativeRequest<'a, 'py> {
     /// Prompt and output token ids.
@@ -162,7 +48,9 @@ pub struct NativeRequest<'a, 'py> {
     /// The hashes of the blocks hashed so far.
     pub hashes: &'a [BlockHash],
     /// Where the extra keys come from.
-    pub attrs: RequestAttrs<'py>,
+    pub attrs: ExtrasAttrs<'py>,
+    /// `prompt_embeds`: requests that have them are refused.
+    pub prompt_embeds: Bound<'py, PyAny>,
 }
 
 /// The new blocks of a request and their extra keys, gathered (which may run Python
@@ -183,155 +71,10 @@ fn embeds_error() -> PyErr {
     )
 }
 
-/// A multimodal item, its identifier read and converted on first use.
-struct MmItem<'py> {
-    feature: Bound<'py, PyAny>,
-    identifier: Option<Value>,
-}
-
-/// The binding's one [`ExtraKeySource`]: a request's extra-key attributes, read in the
-/// reference's order (multimodal items' positions, the salt's truth, the adapter's
-/// truth, name and path) when the source is made; each key is converted when the
-/// core's walk first asks for it. Python errors are kept in `error`.
-struct PyExtraKeys<'a, 'py> {
-    positions: Vec<MmPosition>,
-    items: Vec<MmItem<'py>>,
-    salt: Option<&'a Bound<'py, PyAny>>,
-    lora: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    ids: &'a mut Identities,
-    error: &'a StashedError,
-}
-
-impl<'a, 'py> PyExtraKeys<'a, 'py> {
-    fn read(
-        attrs: &'a RequestAttrs<'py>,
-        start: usize,
-        ids: &'a mut Identities,
-        error: &'a StashedError,
-    ) -> PyResult<Self> {
-        let py = attrs.lora_request.py();
-        let mut positions = Vec::new();
-        let mut items = Vec::new();
-        if attrs.mm_features.is_truthy()? {
-            for i in 0..attrs.mm_features.len()? {
-                let feature = attrs.mm_features.get_item(i)?;
-                let pos = feature.getattr(intern!(py, "mm_position"))?;
-                positions.push(MmPosition {
-                    offset: pos.getattr(intern!(py, "offset"))?.extract()?,
-                    length: pos.getattr(intern!(py, "length"))?.extract()?,
-                });
-                items.push(MmItem {
-                    feature,
-                    identifier: None,
-                });
-            }
-        }
-        let salt = (start == 0 && attrs.cache_salt.is_truthy()?).then_some(&attrs.cache_salt);
-        let lora = if attrs.lora_request.is_truthy()? {
-            let name = attrs.lora_request.getattr(intern!(py, "lora_name"))?;
-            let path = attrs.lora_request.getattr(intern!(py, "lora_path"))?;
-            Some((name, path))
-        } else {
-            None
-        };
-        Ok(Self {
-            positions,
-            items,
-            salt,
-            lora,
-            ids,
-            error,
-        })
-    }
-
-    fn keep<T>(&self, result: PyResult<T>) -> kvblocks_core::Result<T> {
-        result.map_err(|err| self.error.keep(err, "extra key conversion"))
-    }
-
-    /// `(tag, item...)` with the tag literal as the interned `str` object vLLM's code
-    /// uses, so an identical interned string elsewhere in the key is the same object.
-    /// Keys sit inside the block's tuple and their own, hence `enclosing` 2.
-    fn tagged(
-        &mut self,
-        tag: &Bound<'py, PyString>,
-        parts: &[&Bound<'py, PyAny>],
-    ) -> PyResult<Value> {
-        let mut all = Vec::with_capacity(parts.len() + 1);
-        all.push(Value::Str(tag.to_str()?.into(), self.ids.tag(tag.as_any())));
-        for part in parts {
-            all.push(extra_key(part, self.ids, 2)?);
-        }
-        Tuple::new(all, None).map(Value::Tuple).py()
-    }
-}
-
-impl ExtraKeySource for PyExtraKeys<'_, '_> {
-    fn mm_positions(&self) -> &[MmPosition] {
-        &self.positions
-    }
-
-    fn has_salt(&self) -> bool {
-        self.salt.is_some()
-    }
-
-    fn has_lora(&self) -> bool {
-        self.lora.is_some()
-    }
-
-    fn lora_key(&mut self) -> kvblocks_core::Result<Value> {
-        let Some((name, path)) = self.lora.clone() else {
-            return Err(not_asked("a LoRA key"));
-        };
-        let key = self.tagged(intern!(name.py(), "lora"), &[&name, &path]);
-        self.keep(key)
-    }
-
-    fn mm_key(&mut self, index: usize, offset: i64) -> kvblocks_core::Result<Value> {
-        if index >= self.items.len() {
-            return Err(not_asked("a multimodal key past the items"));
-        }
-        let key = (|| {
-            let item = &self.items[index];
-            let py = item.feature.py();
-            let identifier = if let Some(value) = &item.identifier {
-                value.clone()
-            } else {
-                let obj = item.feature.getattr(intern!(py, "identifier"))?;
-                let value = extra_key(&obj, self.ids, 2)?;
-                if let Some(item) = self.items.get_mut(index) {
-                    item.identifier = Some(value.clone());
-                }
-                value
-            };
-            let tag = intern!(py, "mm");
-            let all = vec![
-                Value::Str(tag.to_str()?.into(), self.ids.tag(tag.as_any())),
-                identifier,
-                Value::Int(offset),
-            ];
-            Tuple::new(all, None).map(Value::Tuple).py()
-        })();
-        self.keep(key)
-    }
-
-    fn salt_key(&mut self) -> kvblocks_core::Result<Value> {
-        let Some(salt) = self.salt else {
-            return Err(not_asked("a cache-salt key"));
-        };
-        let key = self.tagged(intern!(salt.py(), "cache_salt"), &[salt]);
-        self.keep(key)
-    }
-}
-
-/// The core asked for a key its own rule says the request has none of.
-fn not_asked(what: &str) -> kvblocks_core::Error {
-    kvblocks_core::Error::Invariant(format!("the core asked for {what} the request lacks"))
-}
-
 /// vLLM 0.33.0's extra keys for `num_blocks` blocks of `block_size` tokens from token
-/// `start` (the rule is the core's [`block_extra_keys`]). `None` when no block has any.
+/// `start` (the rules are the core's [`block_extra_keys`]). `None` when no block has any.
 fn request_extra_keys(
-    attrs: &RequestAttrs<'_>,
+    attrs: &ExtrasAttrs<'_>,
     start: usize,
     num_blocks: usize,
     block_size: usize,
@@ -340,10 +83,15 @@ fn request_extra_keys(
     if num_blocks == 0 {
         return Ok(None);
     }
-    let error = StashedError::default();
-    let mut source = PyExtraKeys::read(attrs, start, ids, &error)?;
-    let keys = block_extra_keys(&mut source, start, num_blocks, block_size);
-    error.finish(keys)
+    let blocks = KeyedBlocks {
+        start,
+        num_blocks,
+        block_size,
+        walk: MmWalk::Hashing,
+    };
+    let mut keep = Vec::new();
+    let extras = read_extras(attrs, blocks, ids, &mut keep)?;
+    block_extra_keys(&extras, start, num_blocks, block_size).py()
 }
 
 // ----------------------------------------------------------------------------- the class
@@ -379,8 +127,8 @@ impl PyBlockHasher {
     /// `TypeError` for `prompt_embeds`, and whatever reading or checking the extra keys
     /// raises.
     pub fn plan(&self, request: &NativeRequest<'_, '_>) -> PyResult<Option<RequestPlan>> {
-        let py = request.attrs.prompt_embeds.py();
-        if !request.attrs.prompt_embeds.is_none() {
+        let py = request.prompt_embeds.py();
+        if !request.prompt_embeds.is_none() {
             return Err(embeds_error());
         }
         let block_size = self.inner.block_size();
@@ -437,9 +185,9 @@ impl PyBlockHasher {
             return Err(embeds_error());
         }
         let block_size = self.inner.block_size();
+        let num_tokens: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
         let known = request.getattr(intern!(py, "block_hashes"))?;
         let num_known = known.len()?;
-        let num_tokens: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
         // A negative count has no blocks.
         let Some((start, num_blocks)) = new_blocks(
             num_known,
@@ -470,12 +218,7 @@ impl PyBlockHasher {
                 .get_item(slice)?,
         )?;
 
-        let attrs = RequestAttrs {
-            lora_request: attr_or_none(request, intern!(py, "lora_request"))?,
-            cache_salt: attr_or_none(request, intern!(py, "cache_salt"))?,
-            mm_features: attr_or_none(request, intern!(py, "mm_features"))?,
-            prompt_embeds: py.None().into_bound(py),
-        };
+        let attrs = ExtrasAttrs::of(request)?;
         // A request claiming more tokens than its slice holds hashes the blocks it has,
         // as the reference does: keys are planned for those only, never for the claim.
         let hashed = (tokens.len() / block_size).min(num_blocks);
@@ -490,16 +233,6 @@ impl PyBlockHasher {
             )
             .py()
     }
-}
-
-/// `getattr(obj, name, None)`.
-fn attr_or_none<'py>(
-    obj: &Bound<'py, PyAny>,
-    name: &Bound<'py, PyString>,
-) -> PyResult<Bound<'py, PyAny>> {
-    Ok(obj
-        .getattr_opt(name)?
-        .unwrap_or_else(|| obj.py().None().into_bound(obj.py())))
 }
 
 /// Hashes as a list of `bytes`.

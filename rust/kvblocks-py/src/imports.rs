@@ -39,11 +39,9 @@ pub static OPERATOR_INDEX: LazyImport = LazyImport::new("operator", "index");
 /// takes as one id.
 pub static INTEGRAL: LazyImport = LazyImport::new("numbers", "Integral");
 pub static ITERABLE: LazyImport = LazyImport::new("collections.abc", "Iterable");
-/// `kvblocks.events`' structs and helpers, shared with the reference.
+/// `kvblocks.events`' structs and its setting, shared with the reference.
 pub static USE_INT_BLOCK_HASHES: LazyImport =
     LazyImport::new("kvblocks.events", "use_int_block_hashes");
-pub static BLOCK_STORED_REQUEST_FIELDS: LazyImport =
-    LazyImport::new("kvblocks.events", "block_stored_request_fields");
 pub static BLOCK_STORED: LazyImport = LazyImport::new("kvblocks.events", "BlockStored");
 pub static BLOCK_REMOVED: LazyImport = LazyImport::new("kvblocks.events", "BlockRemoved");
 pub static ALL_BLOCKS_CLEARED: LazyImport = LazyImport::new("kvblocks.events", "AllBlocksCleared");

@@ -6,6 +6,7 @@ mod docstrings;
 mod convert;
 mod errors;
 mod events;
+mod extra_keys;
 mod hashing;
 mod imports;
 mod manager;

@@ -15,7 +15,8 @@ use std::sync::OnceLock;
 
 use crate::convert::{self, block_hashes, to_list, token_id, token_ids, type_name, Given};
 use crate::errors::to_py;
-use crate::hashing::{NativeRequest, PyBlockHasher, RequestAttrs};
+use crate::extra_keys::ExtrasAttrs;
+use crate::hashing::{NativeRequest, PyBlockHasher};
 use crate::imports::{INTEGRAL, ITERABLE};
 
 #[doc = docstring!(Request)]
@@ -144,12 +145,12 @@ impl PyRequest {
         NativeRequest {
             tokens: &self.all_token_ids,
             hashes: &self.block_hashes,
-            attrs: RequestAttrs {
+            attrs: ExtrasAttrs {
                 lora_request: bind_or_none(py, self.lora_request.as_ref()),
-                cache_salt: bind_or_none(py, self.cache_salt.as_ref()),
                 mm_features: bind_or_none(py, self.mm_features.as_ref()),
-                prompt_embeds: bind_or_none(py, self.prompt_embeds.as_ref()),
+                cache_salt: bind_or_none(py, self.cache_salt.as_ref()),
             },
+            prompt_embeds: bind_or_none(py, self.prompt_embeds.as_ref()),
         }
     }
 }
