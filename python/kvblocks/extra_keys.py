@@ -18,6 +18,7 @@ reference hasher and its events use it; it imports nothing of either backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -198,6 +199,42 @@ def _identifier(extras: RequestExtras, item: int) -> Any:
     return mm_item.identifier
 
 
+def _has_keys(extras: RequestExtras, start: int) -> bool:
+    """Whether blocks from token ``start`` can have any key: the request has an adapter
+    or items, or the blocks start at token 0 and it has a salt."""
+    return extras.lora is not None or bool(extras.mm_items) or _salt_at(extras, start) is not None
+
+
+def _salt_at(extras: RequestExtras, block_start: int) -> Any:
+    """The salt of the block starting at token ``block_start``: the request's, on block 0
+    only (``None`` elsewhere)."""
+    return extras.cache_salt if block_start == 0 else None
+
+
+def _keys_per_block(
+    extras: RequestExtras,
+    start: int,
+    num_blocks: int,
+    block_size: int,
+    walk: MmWalk,
+    *,
+    make: tuple[Callable[[Lora], Any], Callable[[Any, int], Any], Callable[[Any], Any]],
+) -> list[list[Any]]:
+    """Each block's keys, in vLLM's order (the adapter's, each overlapping item's, the
+    salt's), each made by the function of its kind in ``make`` (adapter, item, salt)."""
+    lora, mm, salt = make
+    positions = [item.position for item in extras.mm_items]
+    keys = []
+    for block, hits in enumerate(mm_overlaps(positions, start, num_blocks, block_size, walk)):
+        block_keys = [] if extras.lora is None else [lora(extras.lora)]
+        block_keys += [mm(_identifier(extras, item), offset) for item, offset in hits]
+        block_salt = _salt_at(extras, start + block * block_size)
+        if block_salt is not None:
+            block_keys.append(salt(block_salt))
+        keys.append(block_keys)
+    return keys
+
+
 def block_extra_keys(
     extras: RequestExtras, start: int, num_blocks: int, block_size: int
 ) -> list[tuple[ExtraKeys, ...] | None] | None:
@@ -206,20 +243,15 @@ def block_extra_keys(
     without keys); ``None`` when no block has any. The extras' values were checked
     when they were read, so every key is a valid one.
     """
-    salted = start == 0 and extras.cache_salt is not None
-    if num_blocks == 0 or (not extras.mm_items and not salted and extras.lora is None):
+    if num_blocks == 0 or not _has_keys(extras, start):
         return None
-    lora = extras.lora
-    lora_key = [] if lora is None else [("lora", lora.name, lora.path)]
-    positions = [item.position for item in extras.mm_items]
-    keys: list[tuple[ExtraKeys, ...] | None] = []
-    for block, hits in enumerate(mm_overlaps(positions, start, num_blocks, block_size, "hashing")):
-        block_keys: list[ExtraKeys] = list(lora_key)
-        block_keys += [("mm", _identifier(extras, item), offset) for item, offset in hits]
-        if start + block * block_size == 0 and salted:
-            block_keys.append(("cache_salt", extras.cache_salt))
-        keys.append(tuple(block_keys) if block_keys else None)
-    return keys
+    make = (
+        lambda lora: ("lora", lora.name, lora.path),
+        lambda identifier, offset: ("mm", identifier, offset),
+        lambda salt: ("cache_salt", salt),
+    )
+    keys = _keys_per_block(extras, start, num_blocks, block_size, "hashing", make=make)
+    return [tuple(block_keys) if block_keys else None for block_keys in keys]
 
 
 def event_extra_keys(
@@ -228,16 +260,9 @@ def event_extra_keys(
     """The extra keys of blocks ``first_block ..`` as a ``BlockStored`` publishes them,
     untagged: per block the adapter's name, ``(identifier, offset)`` per item, the salt.
     ``None`` when the request has no adapter, no items and no salt on these blocks."""
-    salted = first_block == 0 and extras.cache_salt is not None
-    if not extras.mm_items and not salted and extras.lora is None:
-        return None
     start = first_block * block_size
-    positions = [item.position for item in extras.mm_items]
-    keys: list[tuple[Any, ...] | None] = []
-    for block, hits in enumerate(mm_overlaps(positions, start, num_blocks, block_size, "events")):
-        block_keys: list[Any] = [] if extras.lora is None else [extras.lora.name]
-        block_keys += [(_identifier(extras, item), offset) for item, offset in hits]
-        if start + block * block_size == 0 and salted:
-            block_keys.append(extras.cache_salt)
-        keys.append(tuple(block_keys) if block_keys else None)
-    return keys
+    if not _has_keys(extras, start):
+        return None
+    make = (lambda lora: lora.name, lambda identifier, offset: (identifier, offset), lambda s: s)
+    keys = _keys_per_block(extras, start, num_blocks, block_size, "events", make=make)
+    return [tuple(block_keys) if block_keys else None for block_keys in keys]

@@ -143,39 +143,21 @@ pub fn block_extra_keys(
     num_blocks: usize,
     block_size: usize,
 ) -> Result<Option<Vec<Option<Value>>>> {
-    let salted = start == 0 && extras.cache_salt.is_some();
-    if num_blocks == 0 || (extras.mm_items.is_empty() && !salted && extras.lora.is_none()) {
+    if num_blocks == 0 || !has_keys(extras, start) {
         return Ok(None);
     }
     let tags = &extras.tags;
-    let lora = extras
-        .lora
-        .as_ref()
-        .map(|l| tuple(vec![tags.lora.clone(), l.name.clone(), l.path.clone()]))
-        .transpose()?;
-    let positions = positions(extras);
-    let overlaps = mm_overlaps(&positions, start, num_blocks, block_size, MmWalk::Hashing);
-    let mut keys = Vec::with_capacity(num_blocks);
-    for (block, hits) in overlaps.iter().enumerate() {
-        let mut block_keys: Vec<Value> = lora.iter().cloned().collect();
-        for &(item, offset) in hits {
-            let parts = vec![
-                tags.mm.clone(),
-                identifier(extras, item)?,
-                Value::Int(offset),
-            ];
-            block_keys.push(tuple(parts)?);
-        }
-        if let (0, Some(salt)) = (start + block * block_size, &extras.cache_salt) {
-            block_keys.push(tuple(vec![tags.cache_salt.clone(), salt.clone()])?);
-        }
-        keys.push(
-            (!block_keys.is_empty())
-                .then(|| tuple(block_keys))
-                .transpose()?,
-        );
-    }
-    Ok(Some(keys))
+    let lora = |l: &Lora| tuple(vec![tags.lora.clone(), l.name.clone(), l.path.clone()]);
+    let mm = |identifier, offset| tuple(vec![tags.mm.clone(), identifier, Value::Int(offset)]);
+    let salt = |salt: &Value| tuple(vec![tags.cache_salt.clone(), salt.clone()]);
+    let walk = (start, num_blocks, block_size, MmWalk::Hashing);
+    let keys = keys_per_block(extras, walk, lora, mm, salt)?;
+    let blocks = keys.into_iter().map(|block_keys| {
+        (!block_keys.is_empty())
+            .then(|| tuple(block_keys))
+            .transpose()
+    });
+    blocks.collect::<Result<_>>().map(Some)
 }
 
 /// The extra keys of blocks `first_block ..` as a `BlockStored` publishes them,
@@ -191,25 +173,61 @@ pub fn event_extra_keys(
     num_blocks: usize,
     block_size: usize,
 ) -> Result<Option<Vec<Option<Vec<Value>>>>> {
-    let salted = first_block == 0 && extras.cache_salt.is_some();
-    if extras.mm_items.is_empty() && !salted && extras.lora.is_none() {
+    let start = first_block * block_size;
+    if !has_keys(extras, start) {
         return Ok(None);
     }
-    let start = first_block * block_size;
+    let lora = |l: &Lora| Ok(l.name.clone());
+    let mm = |identifier, offset| tuple(vec![identifier, Value::Int(offset)]);
+    let salt = |salt: &Value| Ok(salt.clone());
+    let walk = (start, num_blocks, block_size, MmWalk::Events);
+    let keys = keys_per_block(extras, walk, lora, mm, salt)?;
+    Ok(Some(
+        keys.into_iter()
+            .map(|block_keys| (!block_keys.is_empty()).then_some(block_keys))
+            .collect(),
+    ))
+}
+
+/// Whether blocks from token `start` can have any key: the request has an adapter or
+/// items, or the blocks start at token 0 and it has a salt.
+fn has_keys(extras: &RequestExtras, start: usize) -> bool {
+    extras.lora.is_some() || !extras.mm_items.is_empty() || salt_at(extras, start).is_some()
+}
+
+/// The salt of the block starting at token `block_start`: the request's, on block 0 only.
+fn salt_at(extras: &RequestExtras, block_start: usize) -> Option<&Value> {
+    extras.cache_salt.as_ref().filter(|_| block_start == 0)
+}
+
+/// Each block's keys, in vLLM's order (the adapter's, each overlapping item's, the
+/// salt's), each made by the function of its kind. `walk` is `(start, num_blocks,
+/// block_size, how items are matched)`.
+fn keys_per_block<K>(
+    extras: &RequestExtras,
+    walk: (usize, usize, usize, MmWalk),
+    lora: impl Fn(&Lora) -> Result<K>,
+    mm: impl Fn(Value, i64) -> Result<K>,
+    salt: impl Fn(&Value) -> Result<K>,
+) -> Result<Vec<Vec<K>>> {
+    let (start, num_blocks, block_size, walk) = walk;
     let positions = positions(extras);
-    let overlaps = mm_overlaps(&positions, start, num_blocks, block_size, MmWalk::Events);
+    let overlaps = mm_overlaps(&positions, start, num_blocks, block_size, walk);
     let mut keys = Vec::with_capacity(num_blocks);
-    for (block, hits) in overlaps.iter().enumerate() {
-        let mut block_keys: Vec<Value> = extras.lora.iter().map(|l| l.name.clone()).collect();
-        for &(item, offset) in hits {
-            block_keys.push(tuple(vec![identifier(extras, item)?, Value::Int(offset)])?);
+    for (block, hits) in overlaps.into_iter().enumerate() {
+        let mut block_keys = Vec::new();
+        if let Some(adapter) = &extras.lora {
+            block_keys.push(lora(adapter)?);
         }
-        if let (0, Some(salt)) = (start + block * block_size, &extras.cache_salt) {
-            block_keys.push(salt.clone());
+        for (item, offset) in hits {
+            block_keys.push(mm(identifier(extras, item)?, offset)?);
         }
-        keys.push((!block_keys.is_empty()).then_some(block_keys));
+        if let Some(value) = salt_at(extras, start + block * block_size) {
+            block_keys.push(salt(value)?);
+        }
+        keys.push(block_keys);
     }
-    Ok(Some(keys))
+    Ok(keys)
 }
 
 fn positions(extras: &RequestExtras) -> Vec<MmPosition> {
