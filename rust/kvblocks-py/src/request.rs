@@ -30,11 +30,19 @@ pub struct PyRequest {
     all_token_ids: Vec<i64>,
     num_computed_tokens: i64,
     block_hashes: Vec<BlockHash>,
-    /// The Python attributes; `None` stands for Python `None` (and after `__clear__`).
+    // The Python attributes; `None` stands for Python `None` (and after `__clear__`).
     block_hasher: Option<Py<PyAny>>,
+    #[doc = docstring!(Request.lora_request)]
+    #[pyo3(get, set)]
     lora_request: Option<Py<PyAny>>,
+    #[doc = docstring!(Request.cache_salt)]
+    #[pyo3(get, set)]
     cache_salt: Option<Py<PyAny>>,
+    #[doc = docstring!(Request.mm_features)]
+    #[pyo3(get, set)]
     mm_features: Option<Py<PyAny>>,
+    #[doc = docstring!(Request.prompt_embeds)]
+    #[pyo3(get, set)]
     prompt_embeds: Option<Py<PyAny>>,
     /// The lists the getters hand out, one object each for the request's life: the
     /// reference hands out its own lists, so a scheduler reading `all_token_ids` or
@@ -279,50 +287,6 @@ impl PyRequest {
         view(py, &self.views.block_hashes, &self.block_hashes, |h| {
             PyBytes::new(py, h.as_bytes())
         })
-    }
-
-    #[doc = docstring!(Request.lora_request)]
-    #[getter]
-    fn lora_request(&self, py: Python<'_>) -> Py<PyAny> {
-        bind_or_none(py, self.lora_request.as_ref()).unbind()
-    }
-
-    #[setter]
-    fn set_lora_request(&mut self, value: &Bound<'_, PyAny>) {
-        self.lora_request = non_none(Some(value));
-    }
-
-    #[doc = docstring!(Request.cache_salt)]
-    #[getter]
-    fn cache_salt(&self, py: Python<'_>) -> Py<PyAny> {
-        bind_or_none(py, self.cache_salt.as_ref()).unbind()
-    }
-
-    #[setter]
-    fn set_cache_salt(&mut self, value: &Bound<'_, PyAny>) {
-        self.cache_salt = non_none(Some(value));
-    }
-
-    #[doc = docstring!(Request.mm_features)]
-    #[getter]
-    fn mm_features(&self, py: Python<'_>) -> Py<PyAny> {
-        bind_or_none(py, self.mm_features.as_ref()).unbind()
-    }
-
-    #[setter]
-    fn set_mm_features(&mut self, value: &Bound<'_, PyAny>) {
-        self.mm_features = non_none(Some(value));
-    }
-
-    #[doc = docstring!(Request.prompt_embeds)]
-    #[getter]
-    fn prompt_embeds(&self, py: Python<'_>) -> Py<PyAny> {
-        bind_or_none(py, self.prompt_embeds.as_ref()).unbind()
-    }
-
-    #[setter]
-    fn set_prompt_embeds(&mut self, value: &Bound<'_, PyAny>) {
-        self.prompt_embeds = non_none(Some(value));
     }
 
     #[doc = docstring!(Request.num_tokens)]
