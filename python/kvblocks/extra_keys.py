@@ -27,6 +27,7 @@ __all__ = [
     "ExtraKeys",
     "Lora",
     "MmItem",
+    "MmOverlap",
     "MmPosition",
     "MmWalk",
     "RequestExtras",
@@ -35,7 +36,6 @@ __all__ = [
     "event_extra_keys",
     "mm_items_needed",
     "mm_overlaps",
-    "new_blocks",
 ]
 
 #: An extra-key value: ``None``, an int, a str, bytes, or a tuple of extra-key values.
@@ -88,14 +88,6 @@ def check_extra_key(value: object, enclosing_tuples: int) -> None:
         f"unsupported extra key type {type(value).__name__!r}; "
         "extra keys are nested tuples of str, int, bytes and None"
     )
-
-
-def new_blocks(num_hashes: int, num_tokens: int, block_size: int) -> tuple[int, int] | None:
-    """The full blocks of a request holding ``num_tokens`` tokens that its ``num_hashes``
-    known hashes do not cover: ``(first token, number of blocks)``, or ``None``."""
-    start = num_hashes * block_size
-    num_blocks = (num_tokens - start) // block_size
-    return (start, num_blocks) if num_blocks > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,25 +163,41 @@ def _mm_in_block(
     return hits, index
 
 
+@dataclass(frozen=True, slots=True)
+class MmOverlap:
+    """An item overlapping a block: the block (counted from the first of the walk), the
+    item's index, and the item's offset from the block's first token."""
+
+    block: int
+    item: int
+    offset: int
+
+
 def mm_overlaps(
     positions: list[MmPosition], start: int, num_blocks: int, block_size: int, walk: MmWalk
-) -> list[list[tuple[int, int]]]:
-    """For each of ``num_blocks`` blocks of ``block_size`` tokens from token ``start``,
-    the items (by index) that overlap it and their offsets from the block's first token."""
+) -> list[MmOverlap]:
+    """The items that overlap each of ``num_blocks`` blocks of ``block_size`` tokens from
+    token ``start``, block by block."""
+    if not positions:
+        return []
+    items_end = positions[-1].offset + positions[-1].length
     cursor = -1 if walk == "hashing" and start != 0 else 0
     overlaps = []
     for block in range(num_blocks):
         block_start = start + block * block_size
+        if block_start >= items_end:
+            # Past every item: no later block overlaps one either.
+            break
         if walk == "events":
             cursor = 0
         hits, cursor = _mm_in_block(positions, block_start, block_start + block_size, cursor)
-        overlaps.append(hits)
+        overlaps += [MmOverlap(block, item, offset) for item, offset in hits]
     return overlaps
 
 
-def mm_items_needed(overlaps: list[list[tuple[int, int]]]) -> list[int]:
+def mm_items_needed(overlaps: list[MmOverlap]) -> list[int]:
     """The items whose identifiers ``overlaps`` uses, in item order, each once."""
-    return sorted({item for hits in overlaps for item, _ in hits})
+    return sorted({overlap.item for overlap in overlaps})
 
 
 def _identifier(extras: RequestExtras, item: int) -> Any:
@@ -224,10 +232,13 @@ def _keys_per_block(
     salt's), each made by the function of its kind in ``make`` (adapter, item, salt)."""
     lora, mm, salt = make
     positions = [item.position for item in extras.mm_items]
+    hits_of: dict[int, list[MmOverlap]] = {}
+    for overlap in mm_overlaps(positions, start, num_blocks, block_size, walk):
+        hits_of.setdefault(overlap.block, []).append(overlap)
     keys = []
-    for block, hits in enumerate(mm_overlaps(positions, start, num_blocks, block_size, walk)):
+    for block in range(num_blocks):
         block_keys = [] if extras.lora is None else [lora(extras.lora)]
-        block_keys += [mm(_identifier(extras, item), offset) for item, offset in hits]
+        block_keys += [mm(_identifier(extras, o.item), o.offset) for o in hits_of.get(block, [])]
         block_salt = _salt_at(extras, start + block * block_size)
         if block_salt is not None:
             block_keys.append(salt(block_salt))

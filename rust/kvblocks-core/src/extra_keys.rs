@@ -88,8 +88,17 @@ pub enum MmWalk {
     Events,
 }
 
-/// For each of `num_blocks` blocks of `block_size` tokens from token `start`, the items
-/// (by index) that overlap it and their offsets from the block's first token.
+/// An item overlapping a block: the block (counted from the first of the walk), the
+/// item's index, and the item's offset from the block's first token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MmOverlap {
+    pub block: usize,
+    pub item: usize,
+    pub offset: i64,
+}
+
+/// The items that overlap each of `num_blocks` blocks of `block_size` tokens from token
+/// `start`, block by block: nothing to allocate for a request without items.
 #[must_use]
 pub fn mm_overlaps(
     positions: &[MmPosition],
@@ -97,35 +106,43 @@ pub fn mm_overlaps(
     num_blocks: usize,
     block_size: usize,
     walk: MmWalk,
-) -> Vec<Vec<(usize, i64)>> {
+) -> Vec<MmOverlap> {
+    let Some(last) = positions.last() else {
+        return Vec::new();
+    };
+    let items_end = last.offset.saturating_add(last.length);
     let mut cursor = match walk {
         MmWalk::Hashing if start != 0 => MmCursor::Last,
         _ => MmCursor::At(0),
     };
-    (0..num_blocks)
-        .map(|block| {
-            let block_start = start + block * block_size;
-            if walk == MmWalk::Events {
-                cursor = MmCursor::At(0);
-            }
-            let mut hits = Vec::new();
-            cursor = mm_features_in_block(
-                positions,
-                to_i64(block_start),
-                to_i64(block_start + block_size),
-                cursor,
-                &mut hits,
-            );
-            hits
-        })
-        .collect()
+    let mut overlaps = Vec::new();
+    let mut hits = Vec::new();
+    for block in 0..num_blocks {
+        let block_start = to_i64(start + block * block_size);
+        if block_start >= items_end {
+            // Past every item: no later block overlaps one either.
+            break;
+        }
+        if walk == MmWalk::Events {
+            cursor = MmCursor::At(0);
+        }
+        hits.clear();
+        let block_end = to_i64(start + (block + 1) * block_size);
+        cursor = mm_features_in_block(positions, block_start, block_end, cursor, &mut hits);
+        overlaps.extend(hits.iter().map(|&(item, offset)| MmOverlap {
+            block,
+            item,
+            offset,
+        }));
+    }
+    overlaps
 }
 
 /// The items whose identifiers `overlaps` uses, in item order, each once: the ones a
 /// binding reads.
 #[must_use]
-pub fn mm_items_needed(overlaps: &[Vec<(usize, i64)>]) -> Vec<usize> {
-    let mut items: Vec<usize> = overlaps.iter().flatten().map(|&(item, _)| item).collect();
+pub fn mm_items_needed(overlaps: &[MmOverlap]) -> Vec<usize> {
+    let mut items: Vec<usize> = overlaps.iter().map(|o| o.item).collect();
     items.sort_unstable();
     items.dedup();
     items
@@ -213,14 +230,15 @@ fn keys_per_block<K>(
     let (start, num_blocks, block_size, walk) = walk;
     let positions = positions(extras);
     let overlaps = mm_overlaps(&positions, start, num_blocks, block_size, walk);
+    let mut overlaps = overlaps.iter().peekable();
     let mut keys = Vec::with_capacity(num_blocks);
-    for (block, hits) in overlaps.into_iter().enumerate() {
+    for block in 0..num_blocks {
         let mut block_keys = Vec::new();
         if let Some(adapter) = &extras.lora {
             block_keys.push(lora(adapter)?);
         }
-        for (item, offset) in hits {
-            block_keys.push(mm(identifier(extras, item)?, offset)?);
+        while let Some(hit) = overlaps.next_if(|o| o.block == block) {
+            block_keys.push(mm(identifier(extras, hit.item)?, hit.offset)?);
         }
         if let Some(value) = salt_at(extras, start + block * block_size) {
             block_keys.push(salt(value)?);
@@ -333,11 +351,18 @@ mod tests {
     fn only_the_overlapping_items_are_needed_and_the_walks_differ_past_block_0() {
         // Items over 1..3, 5..11 and 9..10; blocks of 4 from token 4: 4..8, 8..12.
         let positions = positions(&extras(&[(1, 2), (5, 6), (9, 1)], false, false));
+        let at = |block, item, offset| MmOverlap {
+            block,
+            item,
+            offset,
+        };
         let hashing = mm_overlaps(&positions, 4, 2, 4, MmWalk::Hashing);
         // vLLM resumes at the last item past block 0: item 1 is missed.
-        assert_eq!(hashing, vec![vec![], vec![(2, 1)]]);
+        assert_eq!(hashing, [at(1, 2, 1)]);
         let events = mm_overlaps(&positions, 4, 2, 4, MmWalk::Events);
-        assert_eq!(events, vec![vec![(1, 1)], vec![(1, -3), (2, 1)]]);
+        assert_eq!(events, [at(0, 1, 1), at(1, 1, -3), at(1, 2, 1)]);
+        assert!(mm_overlaps(&positions, 12, 1_000, 4, MmWalk::Events).is_empty());
+        assert!(mm_overlaps(&[], 0, 1_000, 4, MmWalk::Hashing).is_empty());
         assert_eq!(mm_items_needed(&hashing), [2]);
         assert_eq!(mm_items_needed(&events), [1, 2]);
     }
