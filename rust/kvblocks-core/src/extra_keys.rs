@@ -74,8 +74,8 @@ pub struct RequestExtras {
     pub cache_salt: Option<Value>,
     /// `mm_features`, sorted by offset.
     pub mm_items: Vec<MmItem>,
-    /// The tag strings.
-    pub tags: KeyTags,
+    /// The tag strings; `None`: untagged (a request without extras needs none).
+    pub tags: Option<KeyTags>,
 }
 
 /// How the multimodal items are matched to blocks.
@@ -163,7 +163,7 @@ pub fn block_extra_keys(
     if num_blocks == 0 || !has_keys(extras, start) {
         return Ok(None);
     }
-    let tags = &extras.tags;
+    let tags = extras.tags.clone().unwrap_or_default();
     let lora = |l: &Lora| tuple(vec![tags.lora.clone(), l.name.clone(), l.path.clone()]);
     let mm = |identifier, offset| tuple(vec![tags.mm.clone(), identifier, Value::Int(offset)]);
     let salt = |salt: &Value| tuple(vec![tags.cache_salt.clone(), salt.clone()]);
@@ -291,7 +291,7 @@ mod tests {
                     identifier: Some(Value::Int(id)),
                 })
                 .collect(),
-            tags: KeyTags::default(),
+            tags: None,
         }
     }
 

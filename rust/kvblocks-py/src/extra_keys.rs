@@ -227,10 +227,15 @@ pub fn read_extras<'py>(
     let mut tag = |name: &Bound<'py, PyString>| -> PyResult<Value> {
         Ok(Value::Str(name.to_str()?.into(), ids.tag(name.as_any())))
     };
-    let tags = KeyTags {
-        lora: tag(intern!(py, "lora"))?,
-        mm: tag(intern!(py, "mm"))?,
-        cache_salt: tag(intern!(py, "cache_salt"))?,
+    // Most requests have no extras, and so no keys to tag.
+    let tags = if lora.is_some() || !mm_items.is_empty() || cache_salt.is_some() {
+        Some(KeyTags {
+            lora: tag(intern!(py, "lora"))?,
+            mm: tag(intern!(py, "mm"))?,
+            cache_salt: tag(intern!(py, "cache_salt"))?,
+        })
+    } else {
+        None
     };
     Ok(RequestExtras {
         lora,
