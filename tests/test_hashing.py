@@ -242,6 +242,27 @@ def test_pickle_memo_follows_object_identity(backend: ModuleType) -> None:
     )
 
 
+def test_identifiers_read_as_new_objects_are_distinct_objects(backend: ModuleType) -> None:
+    """An item whose ``identifier`` is a new (equal) object on every read: the two items'
+    identifiers are two objects, as pickle sees them in vLLM's tuple, however soon the
+    first would be freed (the native backend once let its address be reused, and so
+    wrote a memo reference)."""
+
+    class Feature:
+        def __init__(self, offset: int) -> None:
+            self.mm_position = SimpleNamespace(offset=offset, length=2)
+
+        @property
+        def identifier(self) -> str:
+            return "".join(["im", "g"])
+
+    request = backend.Request("a", list(range(8)), mm_features=[Feature(0), Feature(2)])
+    keys = [(("mm", fresh("img"), 0), ("mm", fresh("img"), 2))]
+    assert backend.BlockHasher(4)(request)[0] == backend.BlockHasher(4).hash_block(
+        None, range(4), keys[0]
+    )
+
+
 # --------------------------------------------------------------------------- properties
 
 
