@@ -37,7 +37,7 @@ def test_a_rust_cycle_is_found(tmp_path: Path) -> None:
     tool = _tool()
     files = {
         "lib.rs": "mod request;\nmod hashing;\nmod convert;\n",
-        "request.rs": "use crate::{convert::to_list, hashing::{Hasher, plan}};\n",
+        "request.rs": "use crate::{convert::to_list as list, hashing::{Hasher, plan}};\n",
         "hashing.rs": "fn call() { crate::request::Request::new(); }\n",
         "convert/mod.rs": "mod ints;\npub use ints::token_ids;\npub fn to_list() {}\n",
         "convert/ints.rs": "use super::to_list;\n#[cfg(test)]\nmod tests { use crate::request; }\n",

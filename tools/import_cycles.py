@@ -121,13 +121,13 @@ _CRATE_PATH = re.compile(r"\b(crate|super)((?:::\w+)+)")
 
 
 def _use_paths(tree: str) -> Iterator[str]:
-    """The paths one ``use`` tree names, braces expanded: ``a::{b, c::d}`` gives
-    ``a::b`` and ``a::c::d``."""
-    tree = re.sub(r"\s+", "", tree)
+    """The paths one ``use`` tree names, braces expanded and renames dropped:
+    ``a::{b, c::d as e}`` gives ``a::b`` and ``a::c::d``."""
+    tree = re.sub(r"\s+", "", re.sub(r"\s+as\s+\w+", "", tree))
     depth, start, parts = 0, 0, []
     brace = tree.find("{")
     if brace < 0:
-        yield re.sub(r"\bas\w+$", "", tree.split(" as ")[0])
+        yield tree
         return
     prefix, inner = tree[:brace], tree[brace + 1 : tree.rindex("}")]
     for i, char in enumerate(inner):

@@ -25,6 +25,7 @@ import harness
 import pytest
 import torch
 import vllm.v1.core.sched.scheduler as scheduler_module
+from kvblocks.vllm import cpu
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -41,7 +42,6 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
 )
-from vllm.v1.structured_output import StructuredOutputManager
 
 #: The scheduler module's globals, where the constructors look ``KVCacheManager`` up.
 _SCHEDULER_GLOBALS = vars(scheduler_module)
@@ -311,13 +311,9 @@ def build_with(
     """``scheduler_cls`` built as the engine core builds it, after ``change`` to the config."""
     vllm_config = harness.build_vllm_config(_scenario(), tiny_model_dir)
     change(vllm_config)
-    return scheduler_cls(
-        vllm_config=vllm_config,
-        kv_cache_config=_with_tensors(harness.build_kv_cache_config(NUM_BLOCKS, BLOCK_SIZE)),
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-    )
+    kv_cache_config = _with_tensors(harness.build_kv_cache_config(NUM_BLOCKS, BLOCK_SIZE))
+    scheduler: Scheduler = cpu.build_scheduler(scheduler_cls, vllm_config, kv_cache_config)
+    return scheduler
 
 
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))

@@ -11,12 +11,12 @@ from types import ModuleType
 import harness
 import pytest
 import vllm.v1.core.sched.scheduler as scheduler_module
+from kvblocks.vllm import cpu
 from vllm.config import KVTransferConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheTensor
-from vllm.v1.structured_output import StructuredOutputManager
 
 #: The scheduler module's globals, where ``install()`` rebinds ``KVCacheManager``.
 _SCHEDULER_GLOBALS = vars(scheduler_module)
@@ -98,13 +98,7 @@ def test_installed_falls_back(kvb: ModuleType, tiny_model_dir: Path) -> None:
         )
     ]
     kvb.install()
-    sched = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=scn.block_size,
-        log_stats=True,
-    )
+    sched = cpu.build_scheduler(Scheduler, vllm_config, kv_cache_config)
     assert type(sched.kv_cache_manager) is VllmKVCacheManager
 
 

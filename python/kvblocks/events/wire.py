@@ -14,7 +14,7 @@ What a manager records (vLLM 0.33.0, one full-attention group ``0``):
 * :class:`BlockStored` once per call that caches full blocks: their hashes, the parent
   hash (the request's hash just before them, else ``None``), the request's token ids
   for those blocks, ``block_size``, the LoRA id and name, ``medium="GPU"``, one
-  ``extra_keys`` entry per block (untagged, see :func:`to_event_extra_keys`),
+  ``extra_keys`` entry per block (untagged: :func:`kvblocks.extra_keys.event_extra_keys`),
   ``group_idx=0`` and ``kv_cache_spec_kind="full_attention"``;
 * :class:`BlockRemoved` with one hash per removed prefix-cache entry: a cached block
   reallocated (lazy eviction) or passed to ``evict_blocks``;

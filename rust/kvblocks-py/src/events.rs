@@ -5,10 +5,10 @@
 //!
 //! While the manager caches a request's blocks, the core asks for their token ids
 //! through [`RequestTokens`], which reads them from a native `Request` in place or
-//! from `request.all_token_ids`, and at the same point (before anything changes) asks
-//! `kvblocks.events.block_stored_request_fields` for the `LoRA` fields and extra keys of
-//! a request that has any. Those few Python objects are kept beside the core's record
-//! until the events are taken.
+//! from `request.all_token_ids`, and at the same point (before anything changes) reads
+//! the request's extras (`crate::extra_keys::read_extras`); the core derives the
+//! blocks' event keys from them. A request with any gets its `LoRA` fields and keys
+//! kept beside the core's record, as Python objects, until the events are taken.
 
 use std::cell::RefCell;
 use std::ops::Range;

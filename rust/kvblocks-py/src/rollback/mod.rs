@@ -89,7 +89,7 @@ fn tolerance(native: Option<&PyKVCacheManager>) -> Tolerance {
 }
 
 fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
-    match manager.getattr_opt("num_kv_cache_groups")? {
+    match manager.getattr_opt(intern!(manager.py(), "num_kv_cache_groups"))? {
         Some(n) => n.extract(),
         None => Ok(1),
     }
@@ -97,6 +97,26 @@ fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
 
 fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
     rollback::check_single_group(num_kv_cache_groups(manager)?).py()
+}
+
+/// The manager as kvblocks' native one, borrowed, if it is one (its tables and its
+/// tolerance are then read in place).
+fn native_manager<'py>(
+    manager: &Bound<'py, PyAny>,
+) -> PyResult<Option<PyRef<'py, PyKVCacheManager>>> {
+    manager
+        .cast::<PyKVCacheManager>()
+        .ok()
+        .map(Bound::try_borrow)
+        .transpose()
+        .map_err(Into::into)
+}
+
+/// `manager.block_size`.
+fn block_size_of(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
+    manager
+        .getattr(intern!(manager.py(), "block_size"))?
+        .extract()
 }
 
 #[doc = docstring!(update_requests_with_invalid_blocks)]
@@ -119,16 +139,10 @@ pub fn update_requests_with_invalid_blocks<'py>(
     check_single_group(kv_cache_manager)?;
     let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
     check_unique(requests.py(), &cols.ids, &mut HashSet::new())?;
-    let native = kv_cache_manager
-        .cast::<PyKVCacheManager>()
-        .ok()
-        .map(Bound::try_borrow)
-        .transpose()?;
+    let native = native_manager(kv_cache_manager)?;
     let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
     let invalid = int_column(invalid_block_ids)?;
-    let block_size: i64 = kv_cache_manager
-        .getattr(intern!(kv_cache_manager.py(), "block_size"))?
-        .extract()?;
+    let block_size = block_size_of(kv_cache_manager)?;
     let ids = tables.ids();
     let batch = Batch {
         block_tables: &ids,
@@ -194,17 +208,11 @@ pub fn handle_invalid_blocks<'py>(
     check_unique(py, &waiting.ids, &mut seen)?;
     check_unique(py, &sync.ids, &mut seen)?;
 
-    let native = kv_cache_manager
-        .cast::<PyKVCacheManager>()
-        .ok()
-        .map(Bound::try_borrow)
-        .transpose()?;
+    let native = native_manager(kv_cache_manager)?;
     let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
     let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
     let invalid = int_column(invalid_block_ids)?;
-    let block_size: i64 = kv_cache_manager
-        .getattr(intern!(kv_cache_manager.py(), "block_size"))?
-        .extract()?;
+    let block_size = block_size_of(kv_cache_manager)?;
     let (waiting_ids, sync_ids) = (waiting_tables.ids(), sync_tables.ids());
     let outcome = rollback::handle_invalid_blocks(
         Batch {
