@@ -69,7 +69,7 @@ def test_check_fails_on_a_stale_copy_and_keeps_the_file(
 def test_the_hand_written_part_of_the_stub_is_kept(api_copies: ModuleType) -> None:
     stub = api_copies.rendered()[api_copies.STUB]
     assert stub.endswith(api_copies.stub_hand_written())
-    assert "class VllmKVCacheManager(KVCacheManager):" in api_copies.stub_hand_written()
+    assert "class VllmKVCacheManager:" in api_copies.stub_hand_written()
 
 
 def test_binding_signatures_match_the_reference(api_copies: ModuleType) -> None:

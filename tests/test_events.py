@@ -503,10 +503,29 @@ def test_backends_emit_identical_streams_that_rebuild_the_cache(
 
 def vllm_adapter_manager(**kwargs: Any) -> Any:
     """The vLLM adapter's native half, with events on, and one request cached."""
+    full_attention = ("full", 4, None, 0, None, 0)
     manager = _native.VllmKVCacheManager(
-        16, 4, 64, enable_kv_cache_events=True, admission_statuses=[0], **kwargs
+        16,
+        4,
+        4,
+        64,
+        [full_attention],
+        enable_kv_cache_events=True,
+        admission_statuses=[0],
+        **kwargs,
     )
-    request = _native.Request("r", list(range(8)), block_hasher=_native.BlockHasher(4))
+    hashed = _native.Request("r", list(range(8)), block_hasher=_native.BlockHasher(4))
+    # What the manager reads of vLLM's Request.
+    request = SimpleNamespace(
+        request_id="r",
+        num_tokens=8,
+        num_computed_tokens=0,
+        block_hashes=hashed.block_hashes,
+        all_token_ids=hashed.all_token_ids,
+        num_prompt_tokens=8,
+        num_in_flight_tokens=0,
+        shared_prefix_boundary=0,
+    )
     assert manager.allocate_slots(request, 8) is not None
     return manager
 
@@ -523,7 +542,7 @@ def test_the_vllm_adapter_builds_events_as_the_classes_it_is_given() -> None:
         AllBlocksCleared=kvblocks.events.AllBlocksCleared,
     )
     (stored,) = vllm_adapter_manager(
-        event_structs=structs, kv_cache_spec_kind="mla_attention"
+        event_structs=structs, event_metadata=[("mla_attention", None)]
     ).take_events()
     assert type(stored) is BlockStored
     assert stored.kv_cache_spec_kind == "mla_attention"

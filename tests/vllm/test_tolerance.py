@@ -152,6 +152,19 @@ def test_cache_blocks_past_the_table_caches_what_is_there_and_counts_the_rest() 
     same(managers, reqs, lambda m, r: m.free(r["s"]))
 
 
+def test_cache_blocks_past_the_hashed_blocks_is_taken_as_vllm_takes_it() -> None:
+    # The table holds blocks whose hashes are gone (a streaming update cut the list):
+    # vLLM 0.33 caches up to the hashed blocks; earlier releases cache those, then fail
+    # indexing the next hash.
+    managers = twins()
+    reqs = {"r": pair("r", 12)}
+    same(managers, reqs, lambda m, r: m.allocate_slots(r["r"], 12, delay_cache_blocks=True))
+    for req in reqs["r"]:
+        del req.block_hashes[1:]
+    same(managers, reqs, lambda m, r: m.cache_blocks(r["r"], 12))
+    assert managers[1].get_blocks("r").get_unhashed_block_ids() == [2, 3]
+
+
 def test_odd_allocate_slots_counts_are_taken_as_vllm_takes_them() -> None:
     managers = twins()
     reqs = {"r": pair("r", 10)}

@@ -21,16 +21,15 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request
 
-from kvblocks._native import HybridVllmKVCacheManager, KVCacheBlockView
+from kvblocks._native import KVCacheBlockView, VllmKVCacheManager
+from kvblocks.vllm._version_check import installed_differences
 from kvblocks.vllm.config import ManagerArgs
 from kvblocks.vllm.manager import (
     ADMISSION_STATUSES,
     BlockPool,
     CoordinatorCalls,
     ManagerSurface,
-    block_ids,
     event_metadata,
 )
 
@@ -201,13 +200,13 @@ class HybridKVCacheCoordinator(CoordinatorCalls):
         return self._manager.num_blocks_to_allocate(  # type: ignore[no-any-return]
             request_id,
             num_tokens,
-            [block_ids(group) for group in new_computed_blocks],
+            new_computed_blocks,
             total_computed_tokens,
             apply_admission_cap,
         )
 
 
-class HybridKVCacheManager(ManagerSurface, HybridVllmKVCacheManager):
+class HybridKVCacheManager(ManagerSurface, VllmKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` for several KV cache groups (or one
     local-attention group), with its state and decisions in Rust. Takes vLLM's
     constructor arguments (:class:`~kvblocks.vllm.config.ManagerArgs`); build it
@@ -232,6 +231,7 @@ class HybridKVCacheManager(ManagerSurface, HybridVllmKVCacheManager):
             admission_statuses=list(ADMISSION_STATUSES),
             event_structs=vllm_events,
             event_metadata=list(event_metadata(config)),
+            vllm_series=installed_differences().series,
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -250,23 +250,4 @@ class HybridKVCacheManager(ManagerSurface, HybridVllmKVCacheManager):
             self._vllm_block_pool,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_block_size,
-        )
-
-    @property
-    def block_pool(self) -> BlockPool:
-        """vLLM's ``BlockPool`` members, on the manager's pool."""
-        return self._vllm_block_pool
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block ids, one list per group."""
-        return self.get_blocks(request_id).get_block_ids()  # type: ignore[return-value]
-
-    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        """Records one admission's lookup as vLLM does (not for a skipped lookup)."""
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
         )

@@ -164,13 +164,13 @@ class RequestTables(Mapping[str, list[KVCacheBlockView]]):
         return list(self._manager.get_blocks(request_id).blocks[0])
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._manager.request_ids()
+        return request_id in self._manager.request_ids(0)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._manager.request_ids())
+        return iter(self._manager.request_ids(0))
 
     def __len__(self) -> int:
-        return len(self._manager.request_ids())
+        return len(self._manager.request_ids(0))
 
 
 class BlockViews(Sequence[KVCacheBlockView]):
@@ -235,7 +235,7 @@ class SingleTypeManager:
     @property
     def num_cached_block(self) -> dict[str, int]:
         """Each request's count of cached leading blocks (a snapshot)."""
-        return dict(self._manager.cached_block_counts())
+        return dict(self._manager.cached_block_counts(0))
 
 
 class CoordinatorCalls:
@@ -334,8 +334,13 @@ class KVCacheCoordinator(CoordinatorCalls):
         prefill_end: int = 0,
     ) -> int:
         """The blocks an allocation of ``num_tokens`` slots would take from the pool."""
-        hits = block_ids(new_computed_blocks[0]) if new_computed_blocks else []
-        return self._manager.num_blocks_to_allocate(request_id, num_tokens, hits)
+        return self._manager.num_blocks_to_allocate(  # type: ignore[no-any-return]
+            request_id,
+            num_tokens,
+            new_computed_blocks or [[]],
+            total_computed_tokens,
+            apply_admission_cap,
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """The manager's :meth:`KVCacheManager.get_num_common_prefix_blocks`."""
@@ -358,6 +363,7 @@ class ManagerSurface:
     base, whose ``reset_prefix_cache`` it extends."""
 
     prefix_cache_stats: PrefixCacheStats | None
+    _vllm_block_pool: BlockPool
 
     def _set_vllm_attributes(self, config: ManagerArgs) -> None:
         """The attributes vLLM's ``KVCacheManager.__init__`` sets that readers use."""
@@ -404,8 +410,29 @@ class ManagerSurface:
         return True
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM (no cascade attention): ``[0]`` per group."""
-        return [0] * self.num_kv_cache_groups  # type: ignore[attr-defined,no-any-return]
+        """vLLM 0.31: per group, the leading blocks of the request that every request
+        holding blocks shares (for cascade attention). Later releases deprecate it:
+        ``[0]`` per group."""
+        return self.num_common_prefix_blocks(running_request_id)  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """vLLM's ``BlockPool`` members, on the manager's pool."""
+        return self._vllm_block_pool
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group."""
+        return self.get_blocks(request_id).get_block_ids()  # type: ignore[attr-defined,no-any-return]
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Records one admission's lookup as vLLM does (not for a skipped lookup)."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
 
     def new_step_starts(self) -> None:
         """Nothing to do without Mamba groups."""
@@ -438,9 +465,7 @@ class ManagerSurface:
         """No zeroing without Mamba groups."""
 
 
-# The native base's make_prefix_cache_stats gives kvblocks' stats class; vLLM's
-# scheduler gets vLLM's, from ManagerSurface.
-class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
+class KVCacheManager(ManagerSurface, VllmKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` for one full-attention KV cache group, with its
     state and decisions in Rust. Takes vLLM's constructor arguments
     (:class:`~kvblocks.vllm.config.ManagerArgs`); build it through
@@ -456,58 +481,33 @@ class KVCacheManager(ManagerSurface, VllmKVCacheManager):  # type: ignore[misc]
             )
         if reason is not None:
             raise ValueError(f"kvblocks' KVCacheManager does not support {reason}")
-        return super().__new__(
+        return super().__new__(  # type: ignore[no-any-return]
             cls,
             config.kv_cache_config.num_blocks,
             config.scheduler_block_size,
+            config.hash_block_size,
             config.max_model_len,
+            [("full", config.scheduler_block_size, None, 0, None, 0)],
             enable_caching=config.enable_caching,
-            log_stats=config.log_stats,
             enable_kv_cache_events=config.enable_kv_cache_events,
             watermark=config.watermark,
             admission_statuses=list(ADMISSION_STATUSES),
             event_structs=vllm_events,
-            kv_cache_spec_kind=event_metadata(config)[0][0],
+            event_metadata=list(event_metadata(config)),
             vllm_series=installed_differences().series,
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = ManagerArgs(*args, **kwargs)
         self._set_vllm_attributes(config)
-        pool = BlockPool(
+        self._vllm_block_pool = BlockPool(
             self,
-            super().block_pool,
+            self.native_pool,
             enable_caching=config.enable_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
             block_size=config.scheduler_block_size,
         )
-        self._vllm_block_pool = pool
-        self.coordinator = KVCacheCoordinator(self, config.kv_cache_config, pool)
-
-    @property
-    def block_pool(self) -> BlockPool:  # type: ignore[override]
-        """vLLM's ``BlockPool`` members, on the manager's pool."""
-        return self._vllm_block_pool
-
-    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:  # type: ignore[override]
-        """Records one admission's lookup in :attr:`prefix_cache_stats` as vLLM does:
-        nothing when the lookup did not run, preempted requests counted apart."""
-        record = self.prefix_cache_record(request)
-        if record is not None and self.prefix_cache_stats is not None:
-            num_tokens, preempted = record
-            self.prefix_cache_stats.record(
-                num_tokens=num_tokens, num_hits=num_hits, preempted=preempted
-            )
-
-    def remove_skipped_blocks(
-        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
-        """Full attention skips no tokens."""
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """vLLM 0.31: the leading blocks of the request that every request holding
-        blocks shares (for cascade attention). Later releases deprecate it: ``[0]``."""
-        return [self.num_common_prefix_blocks(running_request_id)]
+        self.coordinator = KVCacheCoordinator(self, config.kv_cache_config, self._vllm_block_pool)
 
 
 def spec_kind(spec: KVCacheSpec) -> str:

@@ -230,7 +230,7 @@ fn full_blocks_in(tokens: i64, block_size: usize) -> usize {
 
 /// Where Python's `items[:end]` ends in a list of `len` items: a negative `end` counts
 /// from the end.
-fn slice_end(end: i64, len: usize) -> usize {
+pub(crate) fn slice_end(end: i64, len: usize) -> usize {
     let len_signed = signed(len);
     let end = if end < 0 {
         len_signed.saturating_add(end)

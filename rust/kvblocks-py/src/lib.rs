@@ -31,7 +31,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vllm::PyVllmManager>()?;
     m.add_class::<vllm::PyKVCacheBlocks>()?;
     m.add_class::<vllm::PyBlockView>()?;
-    m.add_class::<vllm::PyHybridManager>()?;
     m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(
         rollback::update_requests_with_invalid_blocks,

@@ -33,7 +33,7 @@ use crate::block_hash::BlockHash;
 use crate::error::{positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::index::ix;
-use crate::manager::watermark_blocks;
+use crate::manager::{slice_end, watermark_blocks, ReleaseRules};
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
 use crate::request::{HashSource, RequestView};
 
@@ -166,6 +166,7 @@ pub struct HybridManager {
     max_model_len: i64,
     retention_interval: Option<i64>,
     watermark_blocks: usize,
+    release_rules: ReleaseRules,
     requests: FxHashMap<String, Vec<GroupTable>>,
 }
 
@@ -239,8 +240,14 @@ impl HybridManager {
             max_model_len: config.max_model_len,
             retention_interval: config.retention_interval,
             watermark_blocks: 0,
+            release_rules: ReleaseRules::default(),
             requests: FxHashMap::default(),
         })
+    }
+
+    /// Sets the rules of the vLLM release the manager stands in for.
+    pub fn set_release_rules(&mut self, rules: ReleaseRules) {
+        self.release_rules = rules;
     }
 
     /// Keeps `int(watermark * num_blocks)` blocks free for admissions (vLLM's).
@@ -701,7 +708,15 @@ impl HybridManager {
         let group = self.groups[gid];
         let state = self.requests.get(view.request_id).and_then(|t| t.get(gid));
         let num_cached = state.and_then(|t| t.num_cached).unwrap_or(0);
-        let full = index(floor_div(tokens.min(num_hashed), group.block_size));
+        let cap = if self.release_rules.caps_caching_at_hashed_tokens {
+            num_hashed
+        } else {
+            i64::MAX
+        };
+        let full = index(floor_div(tokens.min(cap), group.block_size));
+        // Before vLLM 0.33 the count is not capped: a block past the hashed ones
+        // fails the indexing of its hash, after those before it are cached.
+        let num_group_hashes = index(floor_div(num_hashed, group.block_size));
         if num_cached >= full {
             return Ok(());
         }
@@ -737,6 +752,10 @@ impl HybridManager {
             };
             if block == NULL_BLOCK_ID || mask.as_ref().is_some_and(|m| !m[i - num_cached]) {
                 continue;
+            }
+            if i >= num_group_hashes {
+                self.pool.cache_ids_promoting(&ids, &hashes, gid_u32(gid))?;
+                return Err(Error::Index("list index out of range".to_owned()));
             }
             ids.push(block);
             hashes.push(group_hashes.hash(i)?);
@@ -899,6 +918,64 @@ impl HybridManager {
         tables
             .iter()
             .flat_map(|t| trim_null_head(t.blocks()).iter().copied())
+            .collect()
+    }
+
+    /// vLLM's `get_num_common_prefix_blocks`, one count per group: 0, except under
+    /// vLLM 0.31's rules with prefix caching on, where a full-attention group counts
+    /// the leading blocks of the request's table whose ref count is the number of
+    /// tables in the group (for cascade attention); an unknown request then gets empty
+    /// tables first, as vLLM's `defaultdict` gives it one.
+    pub fn num_common_prefix_blocks(&mut self, request_id: &str) -> Vec<usize> {
+        let mut counts = vec![0; self.groups.len()];
+        if !self.release_rules.counts_common_prefix_blocks || !self.enable_caching() {
+            return counts;
+        }
+        for table in tables_of(&mut self.requests, request_id, self.groups.len()) {
+            table.entry();
+        }
+        for (gid, count) in counts.iter_mut().enumerate() {
+            if !self.groups[gid].attention.is_full() {
+                continue;
+            }
+            let holders = u32::try_from(self.request_ids(gid).count()).unwrap_or(u32::MAX);
+            let table = self.requests[request_id][gid].blocks();
+            *count = table
+                .iter()
+                .take_while(|&&b| self.pool.ref_cnt_of(b) == holders)
+                .count();
+        }
+        counts
+    }
+
+    /// How many blocks of each group's lookup result (of `num_hits` blocks) cover its
+    /// first `num_computed_tokens` tokens (vLLM's `truncate_computed_blocks`).
+    ///
+    /// # Errors
+    /// [`Error::Assertion`] where vLLM asserts: a count that is not a multiple of a
+    /// group's block size, or more blocks than the lookup found.
+    pub fn truncated_hits(
+        &self,
+        num_hits: &[usize],
+        num_computed_tokens: i64,
+    ) -> Result<Vec<usize>> {
+        (self.groups.iter().zip(num_hits))
+            .map(|(group, &found)| {
+                let size = group.block_size;
+                if num_computed_tokens.rem_euclid(size) != 0 {
+                    return Err(Error::Assertion(format!(
+                        "num_computed_tokens {num_computed_tokens} is not a multiple of the \
+                         block size {size}"
+                    )));
+                }
+                let blocks = num_computed_tokens.div_euclid(size);
+                if blocks > signed(found) {
+                    return Err(Error::Assertion(format!(
+                        "{blocks} blocks asked of a lookup that found {found}"
+                    )));
+                }
+                Ok(slice_end(blocks, found))
+            })
             .collect()
     }
 

@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PySet, PyString};
 use crate::convert::{int_column, request_id_of, to_list, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
+use crate::vllm::PyVllmManager;
 
 use super::outcome::ordered_set;
 
@@ -165,6 +166,22 @@ impl RollbackTarget for Target<'_, '_> {
     }
 }
 
+/// A native manager, borrowed for the call: its tables are read in place.
+pub(super) enum NativeManager<'py> {
+    Library(PyRef<'py, PyKVCacheManager>),
+    Vllm(PyRef<'py, PyVllmManager>),
+}
+
+impl NativeManager<'_> {
+    /// The request's table (group 0's: the rollback runs on one group).
+    fn table(&self, request_id: &str) -> &[u32] {
+        match self {
+            Self::Library(m) => m.inner.get_block_ids(request_id),
+            Self::Vllm(m) => m.first_group_table(request_id),
+        }
+    }
+}
+
 /// The block tables of one pass: borrowed from a native manager, or fetched through
 /// `get_block_ids` from any other.
 pub(super) enum Tables<'m> {
@@ -174,15 +191,12 @@ pub(super) enum Tables<'m> {
 
 pub(super) fn fetch_tables<'m>(
     manager: &Bound<'_, PyAny>,
-    native: Option<&'m PyKVCacheManager>,
+    native: Option<&'m NativeManager<'_>>,
     cols: &RequestColumns<'_>,
 ) -> PyResult<Tables<'m>> {
     if let Some(native) = native {
         return Ok(Tables::Native(
-            cols.ids
-                .iter()
-                .map(|id| native.inner.get_block_ids(id))
-                .collect(),
+            cols.ids.iter().map(|id| native.table(id)).collect(),
         ));
     }
     let mut tables = Vec::with_capacity(cols.ids.len());

@@ -30,7 +30,8 @@ use crate::convert::{
 };
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
-use columns::{check_unique, fetch_tables, RequestColumns, Target};
+use crate::vllm::PyVllmManager;
+use columns::{check_unique, fetch_tables, NativeManager, RequestColumns, Target};
 use outcome::ordered_set;
 
 /// Every table of a batch, as integer columns borrowed or converted from Python.
@@ -83,11 +84,6 @@ pub fn rollback_invalid_blocks(
     .map(PyRollbackResult::from)
 }
 
-/// The manager's tolerance: vLLM's for the manager built for vLLM's scheduler.
-fn tolerance(native: Option<&PyKVCacheManager>) -> Tolerance {
-    native.map_or(Tolerance::Strict, |m| m.inner.tolerance())
-}
-
 fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
     match manager.getattr_opt(intern!(manager.py(), "num_kv_cache_groups"))? {
         Some(n) => n.extract(),
@@ -99,17 +95,25 @@ fn check_single_group(manager: &Bound<'_, PyAny>) -> PyResult<()> {
     rollback::check_single_group(num_kv_cache_groups(manager)?).py()
 }
 
-/// The manager as kvblocks' native one, borrowed, if it is one (its tables and its
-/// tolerance are then read in place).
-fn native_manager<'py>(
-    manager: &Bound<'py, PyAny>,
-) -> PyResult<Option<PyRef<'py, PyKVCacheManager>>> {
-    manager
-        .cast::<PyKVCacheManager>()
-        .ok()
-        .map(Bound::try_borrow)
-        .transpose()
-        .map_err(Into::into)
+/// The manager as one of kvblocks' native ones, borrowed, if it is one (its tables
+/// and its tolerance are then read in place).
+fn native_manager<'py>(manager: &Bound<'py, PyAny>) -> PyResult<Option<NativeManager<'py>>> {
+    if let Ok(library) = manager.cast::<PyKVCacheManager>() {
+        return Ok(Some(NativeManager::Library(library.try_borrow()?)));
+    }
+    if let Ok(vllm) = manager.cast::<PyVllmManager>() {
+        return Ok(Some(NativeManager::Vllm(vllm.try_borrow()?)));
+    }
+    Ok(None)
+}
+
+/// The manager's tolerance: vLLM's for the manager built for vLLM's scheduler.
+fn tolerance(native: Option<&NativeManager<'_>>) -> Tolerance {
+    match native {
+        Some(NativeManager::Library(m)) => m.inner.tolerance(),
+        Some(NativeManager::Vllm(_)) => Tolerance::Vllm,
+        None => Tolerance::Strict,
+    }
 }
 
 /// `manager.block_size`.
@@ -140,7 +144,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
     let cols = RequestColumns::gather(requests, num_scheduled_tokens)?;
     check_unique(requests.py(), &cols.ids, &mut HashSet::new())?;
     let native = native_manager(kv_cache_manager)?;
-    let tables = fetch_tables(kv_cache_manager, native.as_deref(), &cols)?;
+    let tables = fetch_tables(kv_cache_manager, native.as_ref(), &cols)?;
     let invalid = int_column(invalid_block_ids)?;
     let block_size = block_size_of(kv_cache_manager)?;
     let ids = tables.ids();
@@ -155,7 +159,7 @@ pub fn update_requests_with_invalid_blocks<'py>(
         block_size,
         evict_blocks.0,
         mode,
-        tolerance(native.as_deref()),
+        tolerance(native.as_ref()),
     )
     .py()?;
     let sequence = result.eviction_sequence(&ids);
@@ -209,8 +213,8 @@ pub fn handle_invalid_blocks<'py>(
     check_unique(py, &sync.ids, &mut seen)?;
 
     let native = native_manager(kv_cache_manager)?;
-    let waiting_tables = fetch_tables(kv_cache_manager, native.as_deref(), &waiting)?;
-    let sync_tables = fetch_tables(kv_cache_manager, native.as_deref(), &sync)?;
+    let waiting_tables = fetch_tables(kv_cache_manager, native.as_ref(), &waiting)?;
+    let sync_tables = fetch_tables(kv_cache_manager, native.as_ref(), &sync)?;
     let invalid = int_column(invalid_block_ids)?;
     let block_size = block_size_of(kv_cache_manager)?;
     let (waiting_ids, sync_ids) = (waiting_tables.ids(), sync_tables.ids());
@@ -229,7 +233,7 @@ pub fn handle_invalid_blocks<'py>(
         block_size,
         policy,
         mode,
-        tolerance(native.as_deref()),
+        tolerance(native.as_ref()),
     )
     .py()?;
     let sequence = outcome.eviction_sequence(&sync_ids);

@@ -1,17 +1,27 @@
-//! The native half of `kvblocks.vllm.KVCacheManager`: vLLM's manager methods for one
-//! full-attention group, with the Scheduler's arguments and result shapes, over the
-//! core's manager.
+//! The native half of `kvblocks.vllm`'s managers, for every layout they manage (one
+//! full-attention group; several full, sliding-window and chunked-local groups; one
+//! local-attention group): vLLM's `KVCacheManager` methods with the Scheduler's
+//! arguments and result shapes, over the core's [`HybridManager`]. Requests are read
+//! as in `request.rs`.
 
 // The `///` comments of the Python-visible items are docstrings (reST, Google style),
 // not rustdoc markdown.
 #![allow(clippy::doc_markdown)]
 
+use std::sync::OnceLock;
+
 use hashbrown::HashMap;
-use kvblocks_core::manager::{Lookup, ReleaseRules, SlotRequest, Tolerance};
-use kvblocks_core::request::{HashSource, RequestView};
+use kvblocks_core::events::EventLog;
+use kvblocks_core::hybrid::{
+    Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots,
+};
+use kvblocks_core::manager::ReleaseRules;
+use kvblocks_core::request::HashSource;
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyInt, PyList, PyTuple};
+use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxBuildHasher;
 
 use super::blocks::{block_view, PyBlockView, PyKVCacheBlocks};
@@ -21,158 +31,295 @@ use super::request::{
 };
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::manager::PyKVCacheManager;
-use crate::pool::PoolHandle;
+use crate::events::{take_events, EventSource, EventState};
+use crate::pool::{pool_view, PoolHandle, PoolHost, PyBlockPool};
 
-/// The native half of ``kvblocks.vllm.KVCacheManager``: vLLM's
-/// ``KVCacheManager`` methods for one full-attention group, over the native manager.
+/// The native half of ``kvblocks.vllm.KVCacheManager`` and
+/// ``HybridKVCacheManager``: vLLM's ``KVCacheManager`` methods over one or several KV
+/// cache groups of one block size.
 ///
 /// Args:
 ///     num_blocks: Blocks in the pool, including the null block.
-///     block_size: Tokens per block.
+///     scheduler_block_size: vLLM's scheduler block size (hits and caching align to
+///         it).
+///     hash_block_size: The block size of the requests' block hashes.
 ///     max_model_len: Token counts are capped at it, as vLLM does.
+///     groups: One ``(kind, block_size, window, extra_retained_tokens,
+///         admission_cap, lookup_class)`` per group, in vLLM's order: ``kind`` is ``"full"``,
+///         ``"sliding_window"`` or ``"chunked_local"``; groups with the same
+///         ``lookup_class`` have equal specs and are looked up jointly.
 ///     enable_caching: Whether to look up and fill the prefix cache.
-///     log_stats: Whether to keep prefix-cache stats.
+///     retention_interval: vLLM's ``prefix_cache_retention_interval``.
 ///     enable_kv_cache_events: Whether to record KV cache events.
-///     watermark: The fraction of blocks admissions leave free while other requests
-///         are scheduled (vLLM's ``watermark``).
-///     admission_statuses: The ``request.status`` values of requests being admitted
-///         (vLLM's ``WAITING`` and ``PREEMPTED``), to which the watermark applies.
-///     event_structs: The module whose ``BlockStored``, ``BlockRemoved`` and
-///         ``AllBlocksCleared`` the events are built as (vLLM's ``kv_events``: the
-///         fields of ``kvblocks.events``, in the same order); ``None`` for kvblocks'.
-///     kv_cache_spec_kind: ``BlockStored.kv_cache_spec_kind`` with ``event_structs``
-///         (``"full_attention"`` when ``None``).
+///     watermark: vLLM's ``watermark``.
+///     admission_statuses: The ``request.status`` values the watermark applies to.
+///     event_structs: The module whose event classes the events are built as.
+///     event_metadata: Per group, ``(kv_cache_spec_kind, sliding_window)`` for
+///         ``BlockStored``.
 ///     vllm_series: The vLLM release ``(major, minor)`` whose manager this one stands
 ///         in for (0.31 to 0.33), where their rules differ.
-#[pyclass(
-    extends = PyKVCacheManager,
-    subclass,
-    module = "kvblocks._native",
-    name = "VllmKVCacheManager"
-)]
+#[pyclass(subclass, module = "kvblocks._native", name = "VllmKVCacheManager")]
 pub struct PyVllmManager {
+    inner: HybridManager,
+    /// `Some` iff KV cache events are on.
+    events: Option<EventState>,
     /// Each known request's block hashes converted so far.
     hashes: HashMap<String, HashCache, FxBuildHasher>,
     admission_statuses: Vec<i64>,
-    /// The result with no blocks, handed out whenever nothing was allocated or hit.
+    /// The result with no blocks in any group, handed out whenever nothing was
+    /// allocated or hit.
     empty: Py<PyKVCacheBlocks>,
+    /// The `block_pool` view, made on first access.
+    pool_view: OnceLock<Py<PyBlockPool>>,
+}
+
+impl PoolHost for PyVllmManager {
+    fn pool(&self) -> &kvblocks_core::pool::BlockPool {
+        self.inner.block_pool()
+    }
+
+    fn pool_mut(&mut self) -> &mut kvblocks_core::pool::BlockPool {
+        self.inner.block_pool_mut()
+    }
+}
+
+impl EventSource for PyVllmManager {
+    fn event_parts(&mut self) -> (Option<&mut EventState>, &EventLog) {
+        (self.events.as_mut(), self.inner.events())
+    }
+
+    fn clear_event_log(&mut self) {
+        self.inner.clear_events();
+    }
 }
 
 impl PyVllmManager {
     /// Runs `f` on the core manager with a view of `request` whose hashes come from
-    /// its cache entry, and `tokens` attached for events. Python errors met while
-    /// reading come back as they were.
+    /// its cache entry (and tokens attached for events). `in_flight` reads
+    /// `request.num_in_flight_tokens` (only `allocate_slots` needs it).
     fn with_request<T>(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
+        in_flight: bool,
         f: impl FnOnce(
-            &mut PyKVCacheManager,
-            &RequestView<'_, dyn HashSource + '_>,
+            &mut HybridManager,
+            &HybridRequest<'_, dyn HashSource + '_>,
         ) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
+        let py = slf.py();
         let req = VllmRequest::read(request)?;
+        let num_prompt_tokens = request_attr(request, intern!(py, "num_prompt_tokens"))?;
+        let shared_prefix_boundary = request_attr(request, intern!(py, "shared_prefix_boundary"))?;
+        let num_in_flight_tokens = if in_flight {
+            request_attr(request, intern!(py, "num_in_flight_tokens"))?
+        } else {
+            0
+        };
         let id = req.request_id.to_str()?;
         let mut this = slf.try_borrow_mut()?;
-        // Out of the manager while the base is borrowed; moving a map copies 3 words.
         let mut caches = std::mem::take(&mut this.hashes);
         let cache = caches.entry_ref(id).or_default();
-        let base: &mut PyKVCacheManager = this.as_super();
-        let result = with_request_view(base, cache, request, req, f);
+        let result = with_request_view(&mut *this, cache, request, req, |this, view| {
+            let request = HybridRequest {
+                view: *view,
+                num_prompt_tokens,
+                num_in_flight_tokens,
+                shared_prefix_boundary,
+            };
+            f(&mut this.inner, &request)
+        });
         this.hashes = caches;
         result
     }
 
-    /// `ids` as a result: the shared empty one when there are none.
-    fn blocks_of(slf: &Bound<'_, Self>, ids: Vec<u32>) -> PyResult<Py<PyKVCacheBlocks>> {
+    /// The request's table in group 0 (empty without one), for the rollback.
+    pub(crate) fn first_group_table(&self, request_id: &str) -> &[u32] {
+        self.inner.group_table(request_id, 0).unwrap_or_default()
+    }
+
+    /// `groups` as a result: the shared empty one when every group is empty.
+    fn blocks_of<'a>(
+        slf: &Bound<'_, Self>,
+        groups: impl IntoIterator<Item = &'a [u32]> + Clone,
+    ) -> PyResult<Py<PyKVCacheBlocks>> {
         let py = slf.py();
-        if ids.is_empty() {
+        if groups.clone().into_iter().all(<[u32]>::is_empty) {
             return Ok(slf.try_borrow()?.empty.clone_ref(py));
         }
         Py::new(
             py,
-            PyKVCacheBlocks::single(ids, Some(PoolHandle::new(slf.as_super().clone().unbind()))),
+            PyKVCacheBlocks::grouped(groups, Some(PoolHandle::new(slf.clone().unbind()))),
         )
     }
 
-    /// The prefix hits passed back to `allocate_slots`: ours, or any object with
-    /// vLLM's `.blocks` (a tuple holding one sequence of blocks with `block_id`).
-    fn hit_ids(blocks: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
-        let Some(blocks) = blocks else {
-            return Ok(Vec::new());
-        };
+    /// The ids of a `KVCacheBlocks` (ours, or any object with vLLM's `.blocks`: one
+    /// sequence of blocks with `block_id` per group), checked against the pool.
+    fn group_ids(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
         if let Ok(ours) = blocks.cast::<PyKVCacheBlocks>() {
-            return Ok(ours.get().ids.iter().map(|&b| i64::from(b)).collect());
+            return Ok(ours
+                .get()
+                .groups()
+                .into_iter()
+                .map(<[u32]>::to_vec)
+                .collect());
         }
         let groups = blocks.getattr(intern!(blocks.py(), "blocks"))?;
-        block_ids_of(&groups.get_item(0)?)
+        Self::checked_ids(slf, &groups)
+    }
+
+    /// The ids of a sequence of per-group block sequences, checked against the pool.
+    fn checked_ids(slf: &Bound<'_, Self>, groups: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        let this = slf.try_borrow()?;
+        let pool = this.inner.block_pool();
+        to_list(groups)?
+            .iter()
+            .map(|group| {
+                block_ids_of(&group)?
+                    .into_iter()
+                    .map(|b| pool.check_id(b))
+                    .collect::<kvblocks_core::Result<Vec<u32>>>()
+                    .py()
+            })
+            .collect()
     }
 }
 
-/// The `block_id`s of a sequence of block objects.
-pub(crate) fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+/// The ids of a sequence of blocks: block objects (with `block_id`) or ints.
+fn block_ids_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let py = blocks.py();
     to_list(blocks)?
         .iter()
-        .map(|b| b.getattr(intern!(py, "block_id"))?.extract())
+        .map(|b| match b.cast::<PyInt>() {
+            Ok(id) => id.extract(),
+            Err(_) => b.getattr(intern!(py, "block_id"))?.extract(),
+        })
         .collect()
 }
 
-// Receivers that reach the base class come as `PyRef`/`PyRefMut`, by value (PyO3's
-// `as_super` needs one).
+/// One group of the constructor's `groups` argument.
+fn group_spec(item: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
+    let (kind, block_size, window, extra_retained, admission_cap, lookup_class): (
+        String,
+        i64,
+        Option<i64>,
+        i64,
+        Option<i64>,
+        u32,
+    ) = item.extract()?;
+    let window =
+        || window.ok_or_else(|| PyValueError::new_err(format!("a {kind} group needs its window")));
+    let attention = match kind.as_str() {
+        "full" => Attention::Full,
+        "sliding_window" => Attention::SlidingWindow {
+            window: window()?,
+            extra_retained,
+        },
+        "chunked_local" => Attention::ChunkedLocal { chunk: window()? },
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "unknown KV cache group kind {kind:?}"
+            )))
+        }
+    };
+    Ok(GroupSpec {
+        attention,
+        block_size,
+        admission_cap,
+        lookup_class,
+    })
+}
+
+// Receivers that reach the manager come as `PyRef`/`PyRefMut` or `&Bound`.
 #[allow(clippy::needless_pass_by_value)]
 #[pymethods]
 impl PyVllmManager {
     #[new]
     #[pyo3(
         signature = (
-            num_blocks, block_size, max_model_len, *, enable_caching=Flag::TRUE,
-            log_stats=Flag::FALSE, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
-            admission_statuses, event_structs=None, kv_cache_spec_kind=None,
-            vllm_series=(0, 33)
+            num_blocks, scheduler_block_size, hash_block_size, max_model_len, groups, *,
+            enable_caching=Flag::TRUE,
+            retention_interval=None, enable_kv_cache_events=Flag::FALSE, watermark=0.0,
+            admission_statuses, event_structs=None, event_metadata=None, vllm_series=(0, 33)
         ),
-        text_signature = "(num_blocks, block_size, max_model_len, *, enable_caching=True, log_stats=False, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, kv_cache_spec_kind=None, vllm_series=(0, 33))"
+        text_signature = "(num_blocks, scheduler_block_size, hash_block_size, max_model_len, groups, *, enable_caching=True, retention_interval=None, enable_kv_cache_events=False, watermark=0.0, admission_statuses, event_structs=None, event_metadata=None, vllm_series=(0, 33))"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: i64,
-        block_size: i64,
+        scheduler_block_size: i64,
+        hash_block_size: i64,
         max_model_len: i64,
+        groups: &Bound<'_, PyAny>,
         enable_caching: Flag,
-        log_stats: Flag,
+        retention_interval: Option<i64>,
         enable_kv_cache_events: Flag,
         watermark: f64,
         admission_statuses: &Bound<'_, PyAny>,
         event_structs: Option<&Bound<'_, PyAny>>,
-        kv_cache_spec_kind: Option<String>,
+        event_metadata: Option<Vec<(String, Option<i64>)>>,
         vllm_series: (u32, u32),
-    ) -> PyResult<PyClassInitializer<Self>> {
-        // Converted by the binding's own reader: never sized from a claimed length.
-        let admission_statuses = int_column(admission_statuses)?.into_vec();
-        let mut base = PyKVCacheManager::new(
-            py,
+    ) -> PyResult<Self> {
+        let groups = to_list(groups)?
+            .iter()
+            .map(|g| group_spec(&g))
+            .collect::<PyResult<Vec<_>>>()?;
+        let num_groups = groups.len();
+        let mut inner = HybridManager::new(HybridConfig {
             num_blocks,
-            block_size,
-            enable_caching,
-            Some(max_model_len),
-            log_stats,
-            enable_kv_cache_events,
-            Flag::FALSE,
+            scheduler_block_size,
+            hash_block_size,
+            groups,
+            enable_caching: enable_caching.0,
+            max_model_len,
+            retention_interval,
+        })
+        .py()?;
+        inner.set_watermark(watermark).py()?;
+        inner.set_release_rules(ReleaseRules::for_vllm(vllm_series));
+        let events = if enable_kv_cache_events.0 {
+            inner.enable_kv_cache_events();
+            let mut state = EventState::new(py)?;
+            if let Some(module) = event_structs {
+                state.build_as(module, None)?;
+            }
+            if let Some(metadata) = event_metadata {
+                state.set_groups(metadata);
+            }
+            Some(state)
+        } else {
+            None
+        };
+        let empty = Py::new(
+            py,
+            PyKVCacheBlocks::grouped(vec![&[][..]; num_groups], None),
         )?;
-        base.inner.set_tolerance(Tolerance::Vllm);
-        base.inner
-            .set_release_rules(ReleaseRules::for_vllm(vllm_series));
-        base.inner.set_watermark(watermark).py()?;
-        if let (Some(events), Some(module)) = (base.events.as_mut(), event_structs) {
-            events.build_as(module, kv_cache_spec_kind)?;
-        }
-        let empty = Py::new(py, PyKVCacheBlocks::single(Vec::new(), None))?;
-        Ok(PyClassInitializer::from(base).add_subclass(Self {
+        Ok(Self {
+            inner,
+            events,
             hashes: HashMap::default(),
-            admission_statuses,
+            admission_statuses: int_column(admission_statuses)?.into_vec(),
             empty,
-        }))
+            pool_view: OnceLock::new(),
+        })
+    }
+
+    /// The pool, as ``kvblocks._native.BlockPool`` (always the same object).
+    #[getter]
+    fn native_pool(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
+        let this = slf.try_borrow()?;
+        pool_view(slf, &this.pool_view, this.inner.scheduler_block_size())
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(view) = self.pool_view.get() {
+            visit.call(view)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.pool_view = OnceLock::new();
     }
 
     /// The result with no blocks (always the same object).
@@ -183,51 +330,74 @@ impl PyVllmManager {
 
     /// Blocks admissions leave free while other requests are scheduled.
     #[getter]
-    fn watermark_blocks(slf: PyRef<'_, Self>) -> usize {
-        slf.as_super().inner.watermark_blocks()
+    fn watermark_blocks(&self) -> usize {
+        self.inner.watermark_blocks()
     }
 
-    /// vLLM's ``get_computed_blocks``: the longest cached prefix of the request's
-    /// blocks, capped at ``max_cache_hit_length`` tokens (``num_tokens - 1`` by
-    /// default); nothing when the request skips the prefix cache. Touches nothing.
+    /// The scheduler's block size (the one group's block size, for the rollback).
+    #[getter]
+    fn block_size(&self) -> i64 {
+        self.inner.scheduler_block_size()
+    }
+
+    /// Whether the prefix cache is on.
+    #[getter]
+    fn enable_caching(&self) -> bool {
+        self.inner.enable_caching()
+    }
+
+    /// The number of KV cache groups.
+    #[getter]
+    fn num_kv_cache_groups(&self) -> usize {
+        self.inner.groups().len()
+    }
+
+    /// The pool's usage, ``1 - free / (num_blocks - 1)``.
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.inner.usage()
+    }
+
+    /// vLLM's ``get_computed_blocks``: the coordinator's longest hit, capped at
+    /// ``max_cache_hit_length`` tokens (``num_tokens - 1`` by default). Touches
+    /// nothing.
     ///
     /// Returns:
-    ///     ``(blocks, num_computed_tokens, 0)``: the third value is vLLM's shared-prefix
-    ///     boundary, always 0 for one group.
+    ///     ``(blocks, num_computed_tokens, shared_prefix_boundary)``.
     #[pyo3(signature = (request, max_cache_hit_length=None))]
     fn get_computed_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
         max_cache_hit_length: Option<i64>,
-    ) -> PyResult<(Py<PyKVCacheBlocks>, usize, usize)> {
+    ) -> PyResult<(Py<PyKVCacheBlocks>, i64, i64)> {
         let py = slf.py();
-        let lookup = Lookup {
-            max_cache_hit_length,
-            skip_reading_prefix_cache: request_flag(
-                request,
-                intern!(py, "skip_reading_prefix_cache"),
-            )?,
+        let skip = request_flag(request, intern!(py, "skip_reading_prefix_cache"))?;
+        let (caching, events_on) = {
+            let this = slf.try_borrow()?;
+            (this.inner.enable_caching(), this.events.is_some())
         };
-        let events_on = slf.try_borrow()?.as_super().events.is_some();
+        if !caching || skip {
+            return Ok((slf.try_borrow()?.empty.clone_ref(py), 0, 0));
+        }
         let full_report = events_on
             && request
                 .getattr_opt(intern!(py, "kv_cache_report_mode"))?
                 .is_some_and(|mode| mode.eq("full").unwrap_or(false));
-        let (hits, tokens) = Self::with_request(slf, request, |base, view| {
-            let (hits, tokens) = base.inner.get_computed_blocks_with(view, lookup)?;
-            if full_report {
-                base.inner.record_cached_block_events(view, hits.len())?;
+        let hit = Self::with_request(slf, request, false, |core, req| {
+            let hit = core.get_computed_blocks(&req.view, max_cache_hit_length)?;
+            if full_report && hit.hit_tokens > 0 {
+                core.record_cached_block_events(&req.view, &hit.blocks)?;
             }
-            Ok((hits, tokens))
+            Ok(hit)
         })?;
-        Ok((Self::blocks_of(slf, hits)?, tokens, 0))
+        let blocks = Self::blocks_of(slf, hit.blocks.iter().map(Vec::as_slice))?;
+        Ok((blocks, hit.hit_tokens, hit.shared_prefix_boundary))
     }
 
-    /// vLLM's ``allocate_slots`` (see ``kvblocks.vllm.KVCacheManager``).
+    /// vLLM's ``allocate_slots`` (see ``kvblocks.vllm.HybridKVCacheManager``).
     ///
     /// Returns:
-    ///     The newly allocated blocks, or ``None`` (nothing changed) when they do not
-    ///     fit.
+    ///     The newly allocated blocks per group, or ``None`` when they do not fit.
     #[pyo3(
         signature = (
             request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
@@ -238,7 +408,7 @@ impl PyVllmManager {
         ),
         text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=None)"
     )]
-    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+    #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -254,65 +424,68 @@ impl PyVllmManager {
         has_scheduled_reqs: Flag,
         skip_zeroing_group_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        // One full-attention group: vLLM gives encoder tokens only to cross-attention
-        // groups, and zeroes nothing.
+        // No cross-attention group, and nothing to zero.
         let _ = (num_encoder_tokens, skip_zeroing_group_ids);
-        let hits = Self::hit_ids(new_computed_blocks)?;
+        let py = slf.py();
         // vLLM tests `new_computed_blocks` against its shared empty result by identity.
-        let computed_blocks_given = match new_computed_blocks {
-            None => false,
-            Some(blocks) => !blocks.is(slf.try_borrow()?.empty.bind(slf.py())),
+        let hits = match new_computed_blocks {
+            Some(blocks) if !blocks.is(slf.try_borrow()?.empty.bind(py)) => {
+                Some(Self::group_ids(slf, blocks)?)
+            }
+            _ => None,
         };
         let status = admission_status(
             request,
             has_scheduled_reqs.0,
-            slf.try_borrow()?.as_super().inner.watermark_blocks(),
+            slf.try_borrow()?.inner.watermark_blocks(),
         )?;
-        let admitting = match status {
+        let watermarked = match status {
             Some(status) => slf.try_borrow()?.admission_statuses.contains(&status),
             None => false,
         };
-        let slots = SlotRequest {
+        let slots = HybridSlots {
             num_new_tokens,
             num_new_computed_tokens,
-            new_computed_blocks: &hits,
-            computed_blocks_given,
+            new_computed_blocks: hits.as_deref(),
             num_lookahead_tokens,
             num_external_computed_tokens,
             delay_cache_blocks: delay_cache_blocks.0,
             full_sequence_must_fit: full_sequence_must_fit.0,
             reserved_blocks,
-            has_scheduled_reqs: has_scheduled_reqs.0,
-            admitting,
+            watermarked,
         };
-        let allocated = Self::with_request(slf, request, |base, view| {
-            base.inner.allocate_slots(view, &slots)
+        let allocated = Self::with_request(slf, request, true, |core, req| {
+            core.allocate_slots(req, &slots)
         })?;
-        allocated.map(|ids| Self::blocks_of(slf, ids)).transpose()
+        allocated
+            .map(|groups| Self::blocks_of(slf, groups.iter().map(Vec::as_slice)))
+            .transpose()
     }
 
-    /// Frees the request's blocks, tail first, and forgets it (unknown: a no-op).
+    /// Frees the request's blocks, group by group, tail first (unknown: a no-op).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = request_id(request)?;
         let mut this = slf.try_borrow_mut()?;
-        this.as_super().inner.free(&id).py()?;
+        this.inner.free(&id).py()?;
         this.hashes.remove(&id);
         Ok(())
     }
 
-    /// Forgets the request and returns its blocks, in table order, without freeing
-    /// them: the caller frees them later with ``block_pool.free_blocks``, tail first.
+    /// Forgets the request and returns its blocks, group after group, each without
+    /// its leading nulls, unfreed.
     fn pop_blocks_for_free<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let id = request_id(request)?;
         let mut this = slf.try_borrow_mut()?;
-        let blocks = this.as_super().inner.pop_blocks_for_free(&id);
+        let blocks = this.inner.pop_blocks_for_free(&id);
         this.hashes.remove(&id);
-        let pool = PoolHandle::new(slf.as_super().clone().unbind());
-        let views = blocks.into_iter().map(|b| block_view(slf.py(), &pool, b));
-        PyList::new(slf.py(), views)
+        let pool = PoolHandle::new(slf.clone().unbind());
+        PyList::new(
+            slf.py(),
+            blocks.into_iter().map(|b| block_view(slf.py(), &pool, b)),
+        )
     }
 
     /// Caches the request's full blocks within ``num_computed_tokens`` tokens.
@@ -321,68 +494,79 @@ impl PyVllmManager {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        Self::with_request(slf, request, |base, view| {
-            base.inner.cache_blocks(view, num_computed_tokens)
+        Self::with_request(slf, request, false, |core, req| {
+            core.cache_blocks(req, num_computed_tokens)
         })
     }
 
-    /// A result holding the given blocks (objects with ``block_id``), one sequence per
-    /// group; the shared empty result when they hold none.
+    /// Frees the blocks that left each group's window once
+    /// ``processed_computed_tokens`` are processed.
+    #[pyo3(signature = (request_id, processed_computed_tokens, num_prompt_tokens=None))]
+    fn remove_skipped_blocks(
+        &mut self,
+        request_id: &str,
+        processed_computed_tokens: i64,
+        num_prompt_tokens: Option<i64>,
+    ) {
+        let _ = num_prompt_tokens;
+        self.inner
+            .remove_skipped_blocks(request_id, processed_computed_tokens);
+    }
+
+    /// A result holding the given blocks, one sequence per group; the shared empty
+    /// result when every group is empty.
     fn create_kv_cache_blocks(
         slf: &Bound<'_, Self>,
         blocks: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyKVCacheBlocks>> {
-        let ids = block_ids_of(&blocks.get_item(0)?)?;
-        let ids = {
-            let this = slf.try_borrow()?;
-            let pool = this.as_super().inner.block_pool();
-            ids.into_iter()
-                .map(|b| pool.check_id(b))
-                .collect::<kvblocks_core::Result<Vec<u32>>>()
-                .py()?
-        };
-        Self::blocks_of(slf, ids)
+        let groups = Self::checked_ids(slf, blocks)?;
+        Self::blocks_of(slf, groups.iter().map(Vec::as_slice))
     }
 
     /// vLLM's ``truncate_computed_blocks``: the lookup result's blocks that cover its
-    /// first ``num_computed_tokens`` tokens (a multiple of the block size).
+    /// first ``num_computed_tokens`` tokens, group by group.
     fn truncate_computed_blocks(
         slf: &Bound<'_, Self>,
         blocks: &Bound<'_, PyKVCacheBlocks>,
         num_computed_tokens: i64,
     ) -> PyResult<Py<PyKVCacheBlocks>> {
-        let ids = &blocks.get().ids;
-        let n = slf
+        let groups = blocks.get().groups();
+        let found: Vec<usize> = groups.iter().map(|g| g.len()).collect();
+        let kept = slf
             .try_borrow()?
-            .as_super()
             .inner
-            .truncated_hits(ids.len(), num_computed_tokens)
+            .truncated_hits(&found, num_computed_tokens)
             .py()?;
-        Self::blocks_of(slf, ids[..n].to_vec())
+        Self::blocks_of(slf, groups.iter().zip(kept).map(|(g, n)| &g[..n]))
     }
 
-    /// vLLM's ``get_num_common_prefix_blocks`` for the group: under vLLM 0.31 the
-    /// leading blocks of the request's table that every request holding a table shares
-    /// (an unknown request gets an empty table first, as vLLM's ``defaultdict`` gives
-    /// it one); 0 under later releases.
-    fn num_common_prefix_blocks(mut slf: PyRefMut<'_, Self>, request_id: &str) -> usize {
-        slf.as_super().inner.num_common_prefix_blocks(request_id)
+    /// vLLM's ``get_num_common_prefix_blocks``: per group, under vLLM 0.31 the leading
+    /// blocks of the request's table that every request holding a table shares (an
+    /// unknown request gets empty tables first, as vLLM's ``defaultdict`` gives it
+    /// one); 0 under later releases.
+    fn num_common_prefix_blocks(&mut self, request_id: &str) -> Vec<usize> {
+        self.inner.num_common_prefix_blocks(request_id)
     }
 
-    /// The ids of the requests that hold a block table (vLLM's ``req_to_blocks`` keys).
-    fn request_ids(slf: PyRef<'_, Self>) -> Vec<String> {
-        slf.as_super()
-            .inner
-            .block_tables()
-            .map(|(id, _)| id.to_owned())
+    /// The ids of the requests with a table in group ``group_id``.
+    fn request_ids(&self, group_id: usize) -> Vec<String> {
+        self.inner
+            .request_ids(group_id)
+            .map(str::to_owned)
             .collect()
     }
 
-    /// Each request's count of cached blocks (vLLM's ``num_cached_block``), as pairs.
-    fn cached_block_counts(slf: PyRef<'_, Self>) -> Vec<(String, usize)> {
-        slf.as_super()
-            .inner
-            .cached_block_counts()
+    /// The request's table in group ``group_id`` (``None`` without one).
+    fn group_table(&self, request_id: &str, group_id: usize) -> Option<Vec<u32>> {
+        self.inner
+            .group_table(request_id, group_id)
+            .map(<[u32]>::to_vec)
+    }
+
+    /// Each request's cached-block count in group ``group_id``, as pairs.
+    fn cached_block_counts(&self, group_id: usize) -> Vec<(String, usize)> {
+        self.inner
+            .cached_block_counts(group_id)
             .map(|(id, n)| (id.to_owned(), n))
             .collect()
     }
@@ -391,87 +575,95 @@ impl PyVllmManager {
     fn block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<PyBlockView> {
         let block_id = slf
             .try_borrow()?
-            .as_super()
             .inner
             .block_pool()
             .check_id(block_id)
             .py()?;
         Ok(block_view(
             slf.py(),
-            &PoolHandle::new(slf.as_super().clone().unbind()),
+            &PoolHandle::new(slf.clone().unbind()),
             block_id,
         ))
     }
 
-    /// The request's whole block table.
+    /// The request's tables, one per group.
     fn get_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<Py<PyKVCacheBlocks>> {
-        let ids = slf
+        let groups: Vec<Vec<u32>> = slf
             .try_borrow()?
-            .as_super()
             .inner
             .get_block_ids(request_id)
-            .to_vec();
-        Self::blocks_of(slf, ids)
+            .into_iter()
+            .map(<[u32]>::to_vec)
+            .collect();
+        Self::blocks_of(slf, groups.iter().map(Vec::as_slice))
     }
 
-    /// The blocks covering the first ``num_computed_tokens`` tokens: ``([ids...],)``.
+    /// The blocks covering the first ``num_computed_tokens`` tokens, per group.
     fn get_block_ids_for_computed_tokens<'py>(
         slf: PyRef<'py, Self>,
         request_id: &str,
         num_computed_tokens: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let ids = slf
-            .as_super()
+        let lists = slf
             .inner
-            .block_ids_for_computed_tokens(request_id, num_computed_tokens);
-        PyTuple::new(py, [PyList::new(py, ids)?])
+            .block_ids_for_computed_tokens(request_id, num_computed_tokens)
+            .into_iter()
+            .map(|ids| PyList::new(py, ids))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists)
     }
 
     /// The tokens the request's cached blocks cover (vLLM's ``estimate_cached_tokens``).
-    fn estimate_cached_tokens(slf: PyRef<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let id = request_id(request)?;
-        Ok(slf.as_super().inner.estimate_cached_tokens(&id))
+    fn estimate_cached_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<i64> {
+        Ok(self.inner.estimate_cached_tokens(&request_id(request)?))
     }
 
-    /// The blocks an allocation giving the request ``num_tokens`` slots would take
-    /// from the pool, with ``new_computed_blocks`` (block ids) as its hits.
+    /// vLLM's ``coordinator.get_num_blocks_to_allocate`` (``new_computed_blocks`` as
+    /// block objects or ids, one sequence per group).
+    #[pyo3(signature = (
+        request_id, num_tokens, new_computed_blocks, total_computed_tokens=0,
+        apply_admission_cap=false
+    ))]
     fn num_blocks_to_allocate(
-        slf: PyRef<'_, Self>,
+        slf: &Bound<'_, Self>,
         request_id: &str,
         num_tokens: i64,
         new_computed_blocks: &Bound<'_, PyAny>,
-    ) -> PyResult<usize> {
-        let hits = int_column(new_computed_blocks)?.into_vec();
-        slf.as_super()
+        total_computed_tokens: i64,
+        apply_admission_cap: bool,
+    ) -> PyResult<i64> {
+        let hits = Self::checked_ids(slf, new_computed_blocks)?;
+        slf.try_borrow()?
             .inner
-            .num_blocks_to_allocate(request_id, num_tokens, &hits)
+            .num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                &hits,
+                total_computed_tokens,
+                apply_admission_cap,
+            )
             .py()
     }
 
-    /// What vLLM's ``record_prefix_cache_stats`` would record of one admission's
-    /// lookup: ``(num_tokens, preempted)``, or ``None`` when it records nothing (stats
-    /// off, caching off, or a request that may not read the prefix cache). The caller
-    /// adds it to vLLM's own ``PrefixCacheStats``.
-    fn prefix_cache_record(
-        slf: &Bound<'_, Self>,
-        request: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<(i64, bool)>> {
-        let py = slf.py();
-        let this = slf.try_borrow()?;
-        let core = &this.as_super().inner;
-        // vLLM returns at once without stats; nothing about the request is read then.
-        if !core.records_lookup(false) {
-            return Ok(None);
-        }
-        if !core.records_lookup(request_flag(
-            request,
-            intern!(py, "skip_reading_prefix_cache"),
-        )?) {
-            return Ok(None);
-        }
-        let num_tokens = request_attr(request, intern!(py, "num_tokens"))?;
-        let preempted = request_attr(request, intern!(py, "num_preemptions"))? > 0;
-        Ok(Some((num_tokens, preempted)))
+    /// Drops the given blocks' hashes from the prefix cache, as vLLM's pool does.
+    fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = int_column(block_ids)?;
+        self.inner.evict_blocks(&ids).py().map(drop)
+    }
+
+    /// Empties the prefix cache if no block is in use.
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    /// The KV cache events recorded since the last call, as vLLM's event classes.
+    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        take_events(py, self)
+    }
+
+    /// Checks the core's invariants (for tests).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().py()
     }
 }

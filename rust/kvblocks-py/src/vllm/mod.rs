@@ -5,14 +5,11 @@
 //! only when a connector reads `.blocks`.
 //!
 //! One file per job: the request reader (`request.rs`), the result classes
-//! (`blocks.rs`), the one-group manager (`manager.rs`) and the multi-group one
-//! (`hybrid.rs`).
+//! (`blocks.rs`) and the manager, for every layout kvblocks manages (`manager.rs`).
 
 mod blocks;
-mod hybrid;
 mod manager;
 mod request;
 
 pub use blocks::{PyBlockView, PyKVCacheBlocks};
-pub use hybrid::PyHybridManager;
 pub use manager::PyVllmManager;
