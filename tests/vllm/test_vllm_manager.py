@@ -40,10 +40,6 @@ def request(req_id: str, num_tokens: int, block_hashes: list[bytes]) -> Any:
         block_hashes=block_hashes,
         skip_reading_prefix_cache=False,
         num_preemptions=0,
-        # What vLLM's Request also has, read for layouts with windows.
-        num_prompt_tokens=num_tokens,
-        num_in_flight_tokens=0,
-        shared_prefix_boundary=0,
     )
 
 

@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvblocks_core::manager::Tolerance;
+use kvblocks_core::rollback::Tolerance;
 use kvblocks_core::rollback::{rollback_invalid_blocks, Batch, BlockIds, Mode, Rollback};
 
 #[path = "../tests/common/mod.rs"]

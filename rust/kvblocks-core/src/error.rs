@@ -57,8 +57,8 @@ pub enum Error {
     UnsupportedLayout(String),
     /// `check_invariants` found the named rule broken.
     Invariant(String),
-    /// An argument vLLM's own manager refuses with an `assert`, given by a caller
-    /// that asked for vLLM's tolerance ([`crate::manager::Tolerance::Vllm`]).
+    /// An argument vLLM's own code refuses with an `assert`, given to the vLLM manager
+    /// ([`crate::hybrid`]) or a rollback with [`crate::rollback::Tolerance::Vllm`].
     Assertion(String),
     /// Where vLLM's own code indexes past the end of a list, for a caller that asked
     /// for vLLM's tolerance.

@@ -15,12 +15,10 @@
 //! [`KVCacheManager::allocate_slots`]) means nothing changed.
 //!
 //! Counts are vLLM's: signed token counts, summed and capped as vLLM sums and caps
-//! them, and turned into block counts with vLLM's floor and ceiling divisions, where
-//! a count at or below zero asks for no block. A [`Tolerance`] says what happens to
-//! an argument outside the documented domain: the library refuses it
-//! ([`Tolerance::Strict`]); vLLM's scheduler gets exactly what vLLM's own manager
-//! does with it ([`Tolerance::Vllm`]): nothing where vLLM does nothing, an
-//! [`Error::Assertion`] where vLLM asserts.
+//! them, and turned into block counts with vLLM's floor and ceiling divisions. An
+//! argument outside the documented domain is refused with the documented error.
+//! (vLLM's scheduler gets the [`crate::hybrid`] manager, which does with such
+//! arguments what vLLM does.)
 //!
 //! Invariants (checked by [`KVCacheManager::check_invariants`]):
 //! * the pool's own invariants hold;
@@ -41,51 +39,8 @@ use crate::request::{HashSource, RequestView};
 /// The KV cache group id of the single full-attention group.
 const GROUP_ID: u32 = 0;
 
-/// What the manager does with an argument outside the documented domain.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Tolerance {
-    /// Refuse it with the documented error, changing nothing (the library API).
-    #[default]
-    Strict,
-    /// Do what vLLM 0.33.0's own manager does with it (its scheduler is the caller).
-    Vllm,
-}
-
-/// The rules that differ between the vLLM releases a manager can stand in for (the
-/// default is the newest's); each field names one difference.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReleaseRules {
-    /// vLLM 0.33 on: `cache_blocks` caches no block past the request's hashed tokens.
-    /// Before, it counts every full block of `num_computed_tokens` as cached, and
-    /// fails indexing the hash of a table block that has none, after caching those
-    /// before it.
-    pub caps_caching_at_hashed_tokens: bool,
-    /// vLLM 0.31: `get_num_common_prefix_blocks` counts the blocks every request with a
-    /// table shares (cascade attention); later releases answer 0.
-    pub counts_common_prefix_blocks: bool,
-}
-
-impl ReleaseRules {
-    /// The rules of vLLM `major.minor` (0.31 to 0.33; a later one gets the newest's).
-    #[must_use]
-    pub fn for_vllm((major, minor): (u32, u32)) -> Self {
-        Self {
-            caps_caching_at_hashed_tokens: (major, minor) >= (0, 33),
-            counts_common_prefix_blocks: (major, minor) <= (0, 31),
-        }
-    }
-}
-
-impl Default for ReleaseRules {
-    fn default() -> Self {
-        Self::for_vllm((0, 33))
-    }
-}
-
 /// The optional arguments of [`KVCacheManager::allocate_slots`], vLLM's defaults
 /// being `Default::default()` (with `num_new_tokens` set by the caller).
-// One field per keyword argument of vLLM's `allocate_slots`, flags included.
-#[allow(clippy::struct_excessive_bools)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SlotRequest<'a> {
     /// Tokens to compute in this step.
@@ -94,37 +49,12 @@ pub struct SlotRequest<'a> {
     pub num_new_computed_tokens: i64,
     /// The prefix-cache hits from [`KVCacheManager::get_computed_blocks`].
     pub new_computed_blocks: &'a [i64],
-    /// vLLM's identity test: the caller's `new_computed_blocks` is not vLLM's shared
-    /// empty result, so a request not yet known adopts them even when there are none
-    /// (and is known from then on).
-    pub computed_blocks_given: bool,
     /// Extra slots for speculative tokens.
     pub num_lookahead_tokens: i64,
     /// Tokens a KV connector will load.
     pub num_external_computed_tokens: i64,
     /// Skip caching the full blocks (an asynchronous KV load is pending).
     pub delay_cache_blocks: bool,
-    /// Admit only if the request's whole sequence (capped at `max_model_len`) fits
-    /// in the free blocks (vLLM's admission gate, on by default in its scheduler).
-    pub full_sequence_must_fit: bool,
-    /// Free blocks to leave to other in-flight sequences.
-    pub reserved_blocks: i64,
-    /// Whether other requests are already scheduled in this step.
-    pub has_scheduled_reqs: bool,
-    /// Whether the request is being admitted (vLLM status `WAITING` or `PREEMPTED`).
-    /// The watermark applies only to admissions while others are scheduled.
-    pub admitting: bool,
-}
-
-/// How a request's prefix-cache lookup is bounded (vLLM's `get_computed_blocks`
-/// arguments and the request's `skip_reading_prefix_cache`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Lookup {
-    /// The longest hit in tokens; `None` for `num_tokens - 1` (the last token is
-    /// always recomputed).
-    pub max_cache_hit_length: Option<i64>,
-    /// The request may not read the prefix cache (prompt logprobs, some poolings).
-    pub skip_reading_prefix_cache: bool,
 }
 
 /// Prefix-cache counters since the last [`KVCacheManager::make_prefix_cache_stats`].
@@ -138,66 +68,13 @@ pub struct PrefixCacheStats {
     pub queries: i64,
     /// Tokens found cached.
     pub hits: i64,
-    /// Requests recorded again after a preemption (vLLM counts them apart).
-    pub preempted_requests: i64,
-    /// Tokens looked up by those requests.
-    pub preempted_queries: i64,
-    /// Tokens those requests found cached.
-    pub preempted_hits: i64,
 }
 
 /// `allocate_slots` with nothing to place (vLLM's message).
 const NOTHING_TO_PLACE: &str =
     "num_new_tokens must be greater than 0 when there are no computed tokens to adopt";
 
-/// vLLM's `int(watermark * num_blocks)`, where vLLM first asserts `watermark >= 0.0`
-/// ([`Error::Assertion`], also for NaN) and `int(inf)` overflows ([`Error::Overflow`]).
-///
-/// # Errors
-/// As said.
-pub(crate) fn watermark_blocks(watermark: f64, num_blocks: u32) -> Result<usize> {
-    if watermark == f64::INFINITY {
-        return Err(Error::Overflow(
-            "cannot convert float infinity to integer".to_owned(),
-        ));
-    }
-    if !watermark.is_finite() || watermark < 0.0 {
-        return Err(Error::Assertion(format!(
-            "watermark must be a finite non-negative fraction, got {watermark}"
-        )));
-    }
-    // Truncation toward zero is vLLM's `int()`; the product is non-negative.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    Ok((watermark * f64::from(num_blocks)) as usize)
-}
-
-/// vLLM's `block_pool.evict_blocks`: it evicts in the given order and stops at the
-/// first id it refuses, the ones before it evicted. An id past the pool fails its
-/// assert, and a negative one counts from the end.
-///
-/// # Errors
-/// [`Error::Assertion`] for an id of `num_blocks` or more; [`Error::UnknownBlock`] for
-/// one below `-num_blocks`.
-pub(crate) fn evict_as_vllm(
-    pool: &mut BlockPool,
-    block_ids: &[i64],
-) -> Result<Vec<(BlockHash, u32)>> {
-    let n = i64::from(pool.num_blocks());
-    let mut removed = Vec::new();
-    for &id in block_ids {
-        if id >= n {
-            return Err(Error::Assertion(format!(
-                "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
-                 workers should only report block IDs that were allocated by the scheduler."
-            )));
-        }
-        let id = if id < 0 { id.saturating_add(n) } else { id };
-        removed.extend(pool.evict_blocks(&[id])?);
-    }
-    Ok(removed)
-}
-
-/// The token layout of one `allocate_slots` call, in vLLM's signed arithmetic.
+/// The token layout of one `allocate_slots` call, in vLLM's arithmetic.
 #[derive(Debug, Clone, Copy)]
 struct SlotCounts {
     /// The request's tokens.
@@ -206,38 +83,15 @@ struct SlotCounts {
     num_external: i64,
     /// Computed + new computed + external, capped at `max_model_len`.
     total_computed: i64,
-    /// Computed + new computed + external, uncapped (vLLM sizes external blocks by it).
-    adopted_tokens: i64,
     /// `total_computed` + new tokens.
     main_tokens: i64,
     /// Blocks the table needs to hold the slots (lookahead included).
     required: usize,
-    /// Blocks the whole sequence needs (`num_tokens`, capped at `max_model_len`).
-    full_sequence: usize,
-    /// Free blocks to leave to other sequences.
-    reserved: i64,
 }
 
 /// vLLM's `cdiv(tokens, block_size)` as a block count: none for `tokens <= 0`.
 fn blocks_for(tokens: i64, block_size: usize) -> usize {
     usize::try_from(tokens).map_or(0, |t| t.div_ceil(block_size))
-}
-
-/// vLLM's `tokens // block_size` as a block count: none for `tokens <= 0`.
-fn full_blocks_in(tokens: i64, block_size: usize) -> usize {
-    usize::try_from(tokens).map_or(0, |t| t / block_size)
-}
-
-/// Where Python's `items[:end]` ends in a list of `len` items: a negative `end` counts
-/// from the end.
-pub(crate) fn slice_end(end: i64, len: usize) -> usize {
-    let len_signed = signed(len);
-    let end = if end < 0 {
-        len_signed.saturating_add(end)
-    } else {
-        end
-    };
-    usize::try_from(end.clamp(0, len_signed)).unwrap_or(0)
 }
 
 /// A token count as vLLM's signed int (counts here never reach `i64::MAX`).
@@ -273,10 +127,6 @@ pub struct KVCacheManager {
     max_model_len: Option<usize>,
     /// `Some` iff stats are logged.
     stats: Option<PrefixCacheStats>,
-    /// Free blocks admissions leave untouched while other requests are scheduled.
-    watermark_blocks: usize,
-    tolerance: Tolerance,
-    release_rules: ReleaseRules,
     requests: FxHashMap<String, RequestBlocks>,
 }
 
@@ -303,61 +153,8 @@ impl KVCacheManager {
             block_size,
             max_model_len,
             stats: log_stats.then(PrefixCacheStats::default),
-            watermark_blocks: 0,
-            tolerance: Tolerance::Strict,
-            release_rules: ReleaseRules::default(),
             requests: FxHashMap::default(),
         })
-    }
-
-    /// Sets the rules of the vLLM release the manager stands in for.
-    pub fn set_release_rules(&mut self, rules: ReleaseRules) {
-        self.release_rules = rules;
-    }
-
-    /// Sets what the manager does with arguments outside the documented domain.
-    pub fn set_tolerance(&mut self, tolerance: Tolerance) {
-        self.tolerance = tolerance;
-    }
-
-    /// What the manager does with arguments outside the documented domain.
-    pub fn tolerance(&self) -> Tolerance {
-        self.tolerance
-    }
-
-    /// Whether arguments outside the documented domain are refused.
-    fn strict(&self) -> bool {
-        self.tolerance == Tolerance::Strict
-    }
-
-    /// A refusal of what vLLM asserts against: [`Error::InvalidArgument`] for the
-    /// library, [`Error::Assertion`] (vLLM's `AssertionError`) for vLLM's scheduler.
-    fn refuse(&self, message: String) -> Error {
-        if self.strict() {
-            Error::InvalidArgument(message)
-        } else {
-            Error::Assertion(message)
-        }
-    }
-
-    /// Keeps `int(watermark * num_blocks)` blocks free when admitting requests while
-    /// others are scheduled (vLLM's `watermark`).
-    ///
-    /// # Errors
-    /// A refusal ([`Self::refuse`]) of a negative or non-finite fraction.
-    pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
-        if self.strict() && !(watermark.is_finite() && watermark >= 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "watermark must be a finite non-negative fraction, got {watermark}"
-            )));
-        }
-        self.watermark_blocks = watermark_blocks(watermark, self.pool.num_blocks())?;
-        Ok(())
-    }
-
-    /// The blocks kept free for admissions (see [`KVCacheManager::set_watermark`]).
-    pub fn watermark_blocks(&self) -> usize {
-        self.watermark_blocks
     }
 
     /// Starts recording KV cache events: the pool's removals and clears, and one
@@ -436,34 +233,11 @@ impl KVCacheManager {
         &self,
         request: &RequestView<'_, H>,
     ) -> Result<(Vec<u32>, usize)> {
-        self.get_computed_blocks_with(request, Lookup::default())
-    }
-
-    /// [`KVCacheManager::get_computed_blocks`] bounded as `lookup` says: nothing when
-    /// the request skips the prefix cache, at most `max_cache_hit_length` tokens.
-    ///
-    /// # Errors
-    /// As [`KVCacheManager::get_computed_blocks`].
-    pub fn get_computed_blocks_with<H: HashSource + ?Sized>(
-        &self,
-        request: &RequestView<'_, H>,
-        lookup: Lookup,
-    ) -> Result<(Vec<u32>, usize)> {
-        if self.strict() {
-            non_negative("num_tokens", request.num_tokens)?;
-        }
-        if !self.pool.enable_caching() || lookup.skip_reading_prefix_cache {
+        let num_tokens = non_negative("num_tokens", request.num_tokens)?;
+        if !self.pool.enable_caching() {
             return Ok((Vec::new(), 0));
         }
-        // vLLM slices the hashes with `islice`, which refuses a negative stop
-        // (`ValueError`); a request without tokens has a bound of -1.
-        let max_tokens = match lookup.max_cache_hit_length {
-            Some(m) => non_negative("max_cache_hit_length", m)?,
-            None if self.strict() => usize::try_from(request.num_tokens)
-                .unwrap_or(0)
-                .saturating_sub(1),
-            None => non_negative("max_cache_hit_length", request.num_tokens.saturating_sub(1))?,
-        };
+        let max_tokens = num_tokens.saturating_sub(1);
         let max_blocks = (max_tokens / self.block_size).min(request.block_hashes.num_hashes());
         // One hash at a time: the scan stops at the first miss, and a hash past it is
         // neither converted nor validated (as vLLM, which never reads it).
@@ -496,55 +270,19 @@ impl KVCacheManager {
         let state = self.requests.get(id);
         // vLLM asserts against adopting only after its capacity checks, which may
         // return None first; the library refuses before.
-        let adoption = self.check_adoption(
-            id,
-            state,
-            &hits,
-            args.computed_blocks_given || counts.num_external > 0,
-        );
-        if self.strict() || (adoption.is_err() && state.is_some_and(|s| s.num_cached.is_some())) {
-            adoption.clone()?;
-        }
+        let adopts = self.check_adoption(id, state, &hits, counts.num_external > 0)?;
         let held = state.map_or(0, |s| s.blocks.len());
         let required = counts.required;
-        let to_allocate = self.blocks_to_take(held, &hits);
-        let watermark = if args.has_scheduled_reqs && args.admitting {
-            self.watermark_blocks
-        } else {
-            0
-        };
-        let free = self.pool.num_free_blocks();
-        // The admission gate compares against all free blocks, the step against what
-        // the reservation leaves, as vLLM does (a negative reservation adds room).
-        if args.full_sequence_must_fit
-            && to_allocate(counts.full_sequence).saturating_add(watermark) > free
-        {
+        if self.blocks_to_take(held, &hits)(required) > self.pool.num_free_blocks() {
             return Ok(None);
         }
-        let available = i128::from(signed(free)) - i128::from(counts.reserved);
-        if i128::from(signed(to_allocate(required).saturating_add(watermark))) > available {
-            return Ok(None);
-        }
-        let adopts = adoption?;
 
         // Everything the caching step needs is fetched and checked before mutating.
         // An adopting request holds nothing yet, another adopts no hits.
         let table_len = (held + hits.len()).max(required);
         let caches = self.pool.enable_caching() && !args.delay_cache_blocks;
-        // vLLM sizes the blocks of external tokens by the uncapped count.
-        let adopted = if self.strict() {
-            counts.total_computed
-        } else {
-            counts.adopted_tokens
-        };
-        // A negative count caches nothing, as vLLM's floor division makes it.
         let cache_tokens = usize::try_from(counts.main_tokens.min(counts.num_tokens)).unwrap_or(0);
-        // vLLM caches past the table (a negative lookahead, or slots capped at
-        // max_model_len) as `cache_blocks` does: that caching runs after the allocation.
-        let caches_past_table = caches
-            && !self.strict()
-            && (cache_tokens / self.block_size).min(request.block_hashes.num_hashes()) > table_len;
-        let cache_plan = if caches && !caches_past_table {
+        let cache_plan = if caches {
             let num_cached = if adopts {
                 hits.len()
             } else {
@@ -564,9 +302,7 @@ impl KVCacheManager {
             self.pool.touch_ids(hits.iter().copied(), hits.len())?;
         }
 
-        // Validation done: from here on nothing can fail, except the pool running short
-        // after a vLLM caller's negative reservation, where vLLM fails at the same
-        // point, hits adopted. (Look up before inserting, so
+        // Validation done: from here on nothing can fail. (Look up before inserting, so
         // a running request's step does not allocate a key string.)
         if !self.requests.contains_key(id) {
             self.requests
@@ -579,7 +315,8 @@ impl KVCacheManager {
             entry.blocks.extend_from_slice(&hits);
             entry.num_cached = Some(entry.blocks.len());
             if counts.num_external > 0 {
-                let n = blocks_for(adopted, self.block_size).saturating_sub(entry.blocks.len());
+                let n = blocks_for(counts.total_computed, self.block_size)
+                    .saturating_sub(entry.blocks.len());
                 self.pool.get_new_blocks_into(n, &mut entry.blocks)?;
             }
         }
@@ -598,48 +335,35 @@ impl KVCacheManager {
             entry.num_cached = Some(plan.range.end);
             Self::record_stored(self.pool.events_mut(), &plan);
         }
-        if caches_past_table {
-            self.cache_blocks(request, signed(cache_tokens))?;
-        }
         Ok(Some(allocated))
     }
 
     /// Caches the request's full blocks covering its first `num_computed_tokens`
     /// tokens (vLLM's `cache_blocks`). A no-op with caching off, and for a count that
-    /// covers no block beyond those cached (vLLM's, negative ones included).
-    ///
-    /// Tokens reaching past the request's block table are refused by a strict
-    /// manager; vLLM's caches the blocks the table has and counts the rest as cached.
+    /// covers no block beyond those cached. Blocks past the request's hashes are not
+    /// full yet.
     ///
     /// # Errors
-    /// [`Error::Negative`] (strict); [`Error::TooManyFullBlocks`] (strict) when those
-    /// tokens reach past the request's block table; [`Error::AlreadyHashed`] if a
-    /// block was hashed behind the manager's back; errors of the [`HashSource`].
+    /// [`Error::Negative`]; [`Error::TooManyFullBlocks`] when those tokens reach past
+    /// the request's block table; [`Error::AlreadyHashed`] if a block was hashed
+    /// behind the manager's back; errors of the [`HashSource`].
     pub fn cache_blocks<H: HashSource + ?Sized>(
         &mut self,
         request: &RequestView<'_, H>,
         num_computed_tokens: i64,
     ) -> Result<()> {
-        if self.strict() {
-            non_negative("num_computed_tokens", num_computed_tokens)?;
-        }
+        let num_computed_tokens = non_negative("num_computed_tokens", num_computed_tokens)?;
         if !self.pool.enable_caching() {
             return Ok(());
         }
         let state = self.requests.get(request.request_id);
         let blocks = state.map_or(&[][..], |s| &s.blocks);
         let num_cached = state.and_then(|s| s.num_cached).unwrap_or(0);
-        let num_hashes = request.block_hashes.num_hashes();
-        let cap = if self.release_rules.caps_caching_at_hashed_tokens {
-            signed(num_hashes.saturating_mul(self.block_size))
-        } else {
-            i64::MAX
-        };
-        let full = full_blocks_in(num_computed_tokens.min(cap), self.block_size);
+        let full = (num_computed_tokens / self.block_size).min(request.block_hashes.num_hashes());
         if num_cached >= full {
             return Ok(());
         }
-        if full > blocks.len() && self.strict() {
+        if full > blocks.len() {
             return Err(Error::TooManyFullBlocks {
                 num_full_blocks: full,
                 num_block_ids: blocks.len(),
@@ -647,18 +371,6 @@ impl KVCacheManager {
         }
         let tokens = full.saturating_mul(self.block_size);
         let plan = self.plan_caching(request, blocks, num_cached, tokens, blocks.len())?;
-        // Before vLLM 0.33, a table block without a hash fails the indexing of its hash.
-        let unhashed_in_table = full.min(blocks.len()) > num_hashes;
-        if (full > blocks.len() && self.pool.events().is_enabled()) || unhashed_in_table {
-            // vLLM caches the blocks there, then fails indexing the missing ones (for
-            // its BlockStored event, or their hashes): nothing recorded, the count not
-            // updated.
-            if let Some(plan) = &plan {
-                let to_cache = blocks.get(plan.range.clone()).unwrap_or_default();
-                self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
-            }
-            return Err(Error::Index("list index out of range".to_owned()));
-        }
         if let Some(plan) = &plan {
             let Some(to_cache) = blocks.get(plan.range.clone()) else {
                 return Err(Error::TooManyFullBlocks {
@@ -669,8 +381,7 @@ impl KVCacheManager {
             self.pool.cache_ids(to_cache, &plan.hashes, GROUP_ID)?;
             Self::record_stored(self.pool.events_mut(), plan);
         }
-        // vLLM records the count even for blocks past the table, and for a request
-        // it does not know yet.
+        // vLLM records the count even for a request it does not know yet.
         if let Some(entry) = self.requests.get_mut(request.request_id) {
             entry.num_cached = Some(full);
         } else {
@@ -700,163 +411,9 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Records one `BlockStored` for the request's first `num_blocks` blocks, already
-    /// cached (vLLM's `emit_cached_block_events` for a prefix hit reported in "full"
-    /// mode: parent `None`, the hit's tokens). A no-op with events off.
-    ///
-    /// # Errors
-    /// [`Error::TooFewHashes`] when the request has fewer hashes; the errors of its
-    /// hash and token sources. Nothing is recorded then.
-    pub fn record_cached_block_events<H: HashSource + ?Sized>(
-        &mut self,
-        request: &RequestView<'_, H>,
-        num_blocks: usize,
-    ) -> Result<()> {
-        if num_blocks == 0 || !self.pool.events().is_enabled() {
-            return Ok(());
-        }
-        let mut hashes = Vec::with_capacity(num_blocks.min(request.block_hashes.num_hashes()));
-        request.block_hashes.hashes(0..num_blocks, &mut hashes)?;
-        if hashes.len() != num_blocks {
-            return Err(Error::TooFewHashes {
-                needed: num_blocks,
-                got: hashes.len(),
-            });
-        }
-        let (_, tokens) = self.stored_event_data(request, 0, num_blocks)?;
-        self.pool
-            .events_mut()
-            .record_stored(&hashes, None, &tokens, 0, GROUP_ID);
-        Ok(())
-    }
-
-    /// Forgets the request and hands its table over without freeing it (vLLM's
-    /// `pop_blocks_for_free`, for frees deferred until a step in flight lands): the
-    /// caller frees the blocks later, tail first. Unknown requests give `[]`.
-    pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
-        self.requests
-            .remove(request_id)
-            .map(|s| s.blocks)
-            .unwrap_or_default()
-    }
-
-    /// The tokens covered by the request's cached blocks: up to the end of its last
-    /// table block that has a hash (vLLM's `estimate_cached_tokens`, the largest
-    /// `block_hash_num_tokens`). A block is hashed only at its own table position,
-    /// so that end is the hash's token count.
-    pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
-        self.get_block_ids(request_id)
-            .iter()
-            .rposition(|&b| self.pool.block_is_cached(b))
-            .map_or(0, |i| (i + 1).saturating_mul(self.block_size))
-    }
-
-    /// The blocks an allocation giving the request `num_tokens` slots would take
-    /// from the free pool, with `new_computed_blocks` as its prefix hits (vLLM's
-    /// `coordinator.get_num_blocks_to_allocate` for one full-attention group; a
-    /// count at or below zero needs no block).
-    ///
-    /// # Errors
-    /// [`Error::Negative`] for `num_tokens` (strict); the errors of the hits' checks
-    /// in [`KVCacheManager::allocate_slots`].
-    pub fn num_blocks_to_allocate(
-        &self,
-        request_id: &str,
-        num_tokens: i64,
-        new_computed_blocks: &[i64],
-    ) -> Result<usize> {
-        if self.strict() {
-            non_negative("num_tokens", num_tokens)?;
-        }
-        let hits = self.check_hits(new_computed_blocks)?;
-        let state = self.requests.get(request_id);
-        if self.strict() {
-            self.check_adoption(request_id, state, &hits, false)?;
-        } else if !hits.is_empty() && state.is_some_and(|s| s.num_cached.is_some()) {
-            // vLLM's only assert here: a running request has no new prefix hits.
-            return Err(Error::Assertion(format!(
-                "request {request_id} is running, so it has no new prefix-cache hits"
-            )));
-        }
-        let held = state.map_or(0, |s| s.blocks.len());
-        Ok(self.blocks_to_take(held, &hits)(blocks_for(
-            num_tokens,
-            self.block_size,
-        )))
-    }
-
-    /// The leading blocks of the request's table that hold its first
-    /// `num_computed_tokens` tokens (vLLM's `get_block_ids_for_computed_tokens`:
-    /// `table[:cdiv(num_computed_tokens, block_size)]`, a negative end counting from
-    /// the table's end as Python's slices do).
-    pub fn block_ids_for_computed_tokens(
-        &self,
-        request_id: &str,
-        num_computed_tokens: i64,
-    ) -> &[u32] {
-        let table = self.get_block_ids(request_id);
-        let size = signed(self.block_size);
-        // Python's ceiling division: -(-n // size).
-        let blocks = num_computed_tokens.div_euclid(size)
-            + i64::from(num_computed_tokens.rem_euclid(size) != 0);
-        &table[..slice_end(blocks, table.len())]
-    }
-
-    /// How many of a lookup's `num_hits` blocks cover its first `num_computed_tokens`
-    /// tokens (vLLM's `truncate_computed_blocks`: `blocks[:num_computed_tokens //
-    /// block_size]`).
-    ///
-    /// # Errors
-    /// [`Error::Assertion`] where vLLM asserts: a count that is not a multiple of the
-    /// block size, or more blocks than the lookup found.
-    pub fn truncated_hits(&self, num_hits: usize, num_computed_tokens: i64) -> Result<usize> {
-        let size = signed(self.block_size);
-        if num_computed_tokens.rem_euclid(size) != 0 {
-            return Err(Error::Assertion(format!(
-                "num_computed_tokens {num_computed_tokens} is not a multiple of the block \
-                 size {size}"
-            )));
-        }
-        let blocks = num_computed_tokens.div_euclid(size);
-        if blocks > signed(num_hits) {
-            return Err(Error::Assertion(format!(
-                "{blocks} blocks asked of a lookup that found {num_hits}"
-            )));
-        }
-        Ok(slice_end(blocks, num_hits))
-    }
-
-    /// vLLM's `get_num_common_prefix_blocks` for the group: 0, except under vLLM 0.31's
-    /// rules with prefix caching on, where it counts the leading blocks of the
-    /// request's table whose ref count is the number of tables (for cascade
-    /// attention); an unknown request then gets an empty table first, as vLLM's
-    /// `defaultdict` gives it one.
-    pub fn num_common_prefix_blocks(&mut self, request_id: &str) -> usize {
-        if !self.release_rules.counts_common_prefix_blocks || !self.enable_caching() {
-            return 0;
-        }
-        if !self.requests.contains_key(request_id) {
-            self.requests
-                .insert(request_id.to_owned(), RequestBlocks::default());
-        }
-        let holders = u32::try_from(self.requests.len()).unwrap_or(u32::MAX);
-        self.get_block_ids(request_id)
-            .iter()
-            .take_while(|&&b| self.pool.ref_cnt_of(b) == holders)
-            .count()
-    }
-
     /// The request's block table (empty for an unknown request).
     pub fn get_block_ids(&self, request_id: &str) -> &[u32] {
         self.requests.get(request_id).map_or(&[], |s| &s.blocks)
-    }
-
-    /// Every request with a cached-block count (vLLM's `num_cached_block` entries), in
-    /// no particular order.
-    pub fn cached_block_counts(&self) -> impl Iterator<Item = (&str, usize)> + '_ {
-        self.requests
-            .iter()
-            .filter_map(|(id, s)| s.num_cached.map(|n| (id.as_str(), n)))
     }
 
     /// Every request with its block table, in no particular order.
@@ -866,18 +423,12 @@ impl KVCacheManager {
             .map(|(id, s)| (id.as_str(), s.blocks.as_slice()))
     }
 
-    /// [`BlockPool::evict_blocks`]. vLLM indexes its block list with each id: an id
-    /// past the pool fails its assert, and a negative one counts from the end.
+    /// [`BlockPool::evict_blocks`].
     ///
     /// # Errors
-    /// [`Error::UnknownBlock`] for an id out of range (vLLM: an id below
-    /// `-num_blocks`); [`Error::Assertion`] (vLLM) for an id of `num_blocks` or more.
-    /// A strict manager evicts nothing then; vLLM's has evicted the ids before it.
+    /// [`Error::UnknownBlock`] for an id out of range; nothing is evicted then.
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
-        if self.strict() {
-            return self.pool.evict_blocks(block_ids);
-        }
-        evict_as_vllm(&mut self.pool, block_ids)
+        self.pool.evict_blocks(block_ids)
     }
 
     /// [`BlockPool::reset_prefix_cache`]; on success also marks the stats as reset.
@@ -902,66 +453,19 @@ impl KVCacheManager {
         request: &RequestView<'_, H>,
         num_hits: i64,
     ) -> Result<()> {
-        self.record_lookup(request, num_hits, false, false)
-    }
-
-    /// [`KVCacheManager::record_prefix_cache_stats`] as vLLM's scheduler records:
-    /// nothing for a request whose lookup was skipped (caching off, or the request's
-    /// `skip_reading_prefix_cache`), and a request that was `preempted` before into the
-    /// `preempted_*` counters.
-    ///
-    /// # Errors
-    /// As [`KVCacheManager::record_prefix_cache_stats`].
-    pub fn record_prefix_cache_stats_with<H: HashSource + ?Sized>(
-        &mut self,
-        request: &RequestView<'_, H>,
-        num_hits: i64,
-        skip_reading_prefix_cache: bool,
-        preempted: bool,
-    ) -> Result<()> {
-        let skipped = !self.records_lookup(skip_reading_prefix_cache);
-        self.record_lookup(request, num_hits, skipped, preempted)
-    }
-
-    /// Whether an admission's lookup counts in the prefix-cache stats: stats are
-    /// logged, and the lookup ran (caching on, and the request may read the cache).
-    pub fn records_lookup(&self, skip_reading_prefix_cache: bool) -> bool {
-        self.stats.is_some() && self.pool.enable_caching() && !skip_reading_prefix_cache
-    }
-
-    /// Validates one recorded lookup (strict) and counts it unless `skipped`; vLLM
-    /// adds whatever it is given.
-    fn record_lookup<H: HashSource + ?Sized>(
-        &mut self,
-        request: &RequestView<'_, H>,
-        num_hits: i64,
-        skipped: bool,
-        preempted: bool,
-    ) -> Result<()> {
         let queries = request.num_tokens;
-        if self.strict() {
-            non_negative("num_tokens", queries)?;
-            non_negative("num_hits", num_hits)?;
-            if num_hits > queries {
-                return Err(Error::InvalidArgument(format!(
-                    "num_hits {num_hits} exceeds the request's {queries} tokens"
-                )));
-            }
+        non_negative("num_tokens", queries)?;
+        non_negative("num_hits", num_hits)?;
+        if num_hits > queries {
+            return Err(Error::InvalidArgument(format!(
+                "num_hits {num_hits} exceeds the request's {queries} tokens"
+            )));
         }
-        if let (Some(stats), false) = (&mut self.stats, skipped) {
-            let (requests, total_queries, total_hits) = if preempted {
-                (
-                    &mut stats.preempted_requests,
-                    &mut stats.preempted_queries,
-                    &mut stats.preempted_hits,
-                )
-            } else {
-                (&mut stats.requests, &mut stats.queries, &mut stats.hits)
-            };
+        if let Some(stats) = &mut self.stats {
             // Saturating keeps a pathological run panic-free.
-            *requests = requests.saturating_add(1);
-            *total_queries = total_queries.saturating_add(queries);
-            *total_hits = total_hits.saturating_add(num_hits);
+            stats.requests = stats.requests.saturating_add(1);
+            stats.queries = stats.queries.saturating_add(queries);
+            stats.hits = stats.hits.saturating_add(num_hits);
         }
         Ok(())
     }
@@ -978,8 +482,7 @@ impl KVCacheManager {
     pub fn check_invariants(&self) -> Result<()> {
         self.pool.check_invariants()?;
         for (id, state) in &self.requests {
-            // vLLM's own count may run past the table (see `cache_blocks`).
-            if self.strict() && state.num_cached.is_some_and(|c| c > state.blocks.len()) {
+            if state.num_cached.is_some_and(|c| c > state.blocks.len()) {
                 return Err(Error::Invariant(format!(
                     "request {id} has more cached blocks than table entries"
                 )));
@@ -999,55 +502,47 @@ impl KVCacheManager {
 
     /// Lays out the tokens of an `allocate_slots` call as vLLM does:
     /// `| computed | new computed | external | new | lookahead |`, capped at
-    /// `max_model_len`. Strict callers' counts must be non-negative.
+    /// `max_model_len`. Every count must be non-negative.
     fn slot_counts<H: HashSource + ?Sized>(
         &self,
         request: &RequestView<'_, H>,
         args: &SlotRequest<'_>,
     ) -> Result<SlotCounts> {
-        if self.strict() {
-            non_negative("num_new_tokens", args.num_new_tokens)?;
-            non_negative("num_new_computed_tokens", args.num_new_computed_tokens)?;
-            non_negative("num_lookahead_tokens", args.num_lookahead_tokens)?;
-            non_negative(
-                "num_external_computed_tokens",
-                args.num_external_computed_tokens,
-            )?;
-            non_negative("reserved_blocks", args.reserved_blocks)?;
-            non_negative("num_tokens", request.num_tokens)?;
-            non_negative("num_computed_tokens", request.num_computed_tokens)?;
-        }
+        non_negative("num_new_tokens", args.num_new_tokens)?;
+        non_negative("num_new_computed_tokens", args.num_new_computed_tokens)?;
+        non_negative("num_lookahead_tokens", args.num_lookahead_tokens)?;
+        non_negative(
+            "num_external_computed_tokens",
+            args.num_external_computed_tokens,
+        )?;
+        non_negative("num_tokens", request.num_tokens)?;
+        non_negative("num_computed_tokens", request.num_computed_tokens)?;
         let num_new = args.num_new_tokens;
         let num_external = args.num_external_computed_tokens;
         if num_new == 0 && num_external == 0 && args.num_new_computed_tokens == 0 {
             return Err(Error::InvalidArgument(NOTHING_TO_PLACE.to_owned()));
         }
         let cap = |n: i64| self.max_model_len.map_or(n, |m| n.min(signed(m)));
-        let adopted_tokens = request
+        let total_computed = cap(request
             .num_computed_tokens
             .saturating_add(args.num_new_computed_tokens)
-            .saturating_add(num_external);
-        let total_computed = cap(adopted_tokens);
+            .saturating_add(num_external));
         let main_tokens = total_computed.saturating_add(num_new);
         let slot_tokens = cap(main_tokens.saturating_add(args.num_lookahead_tokens));
         Ok(SlotCounts {
             num_tokens: request.num_tokens,
             num_external,
             total_computed,
-            adopted_tokens,
             main_tokens,
             required: blocks_for(slot_tokens, self.block_size),
-            full_sequence: blocks_for(cap(request.num_tokens), self.block_size),
-            reserved: args.reserved_blocks,
         })
     }
 
     /// Whether this call adopts computed tokens (vLLM's `allocate_new_computed_blocks`
     /// for a request without a cached-block entry): it does with hits, and with none
-    /// when `adopts_anyway` (external tokens, or computed blocks given that are not
-    /// vLLM's shared empty result). Refuses the cases vLLM asserts against: hits for a
-    /// request that holds blocks or with caching off, and an adoption by a request that
-    /// holds blocks but has no cached-block entry.
+    /// when `adopts_anyway` (external tokens). Refuses the cases vLLM asserts against:
+    /// hits for a request that holds blocks or with caching off, and an adoption by a
+    /// request that holds blocks but has no cached-block entry.
     fn check_adoption(
         &self,
         id: &str,
@@ -1058,13 +553,13 @@ impl KVCacheManager {
         let held = state.map_or(0, |s| s.blocks.len());
         let known = state.is_some_and(|s| s.num_cached.is_some());
         if !hits.is_empty() && !self.pool.enable_caching() {
-            return Err(self.refuse(
+            return Err(Error::InvalidArgument(
                 "new_computed_blocks must be empty when prefix caching is disabled".to_owned(),
             ));
         }
         let adopts = !known && (!hits.is_empty() || adopts_anyway);
         if (known && !hits.is_empty()) || (adopts && held > 0) {
-            return Err(self.refuse(format!(
+            return Err(Error::InvalidArgument(format!(
                 "request {id} already holds blocks, so it cannot adopt computed tokens"
             )));
         }
@@ -1121,8 +616,7 @@ impl KVCacheManager {
     ) -> Result<Option<CachePlan>> {
         let num_hashes = request.block_hashes.num_hashes();
         // vLLM: min(num_tokens, len(block_hashes) * block_size) // block_size, never
-        // past the table (reachable when max_model_len caps the slots, or, for vLLM's
-        // callers, with a negative lookahead; those cache after the allocation instead).
+        // past the table (reachable when max_model_len caps the slots).
         let full = (num_tokens / self.block_size)
             .min(num_hashes)
             .min(table_len);
@@ -1133,11 +627,7 @@ impl KVCacheManager {
             .get(num_cached..full.min(table.len()))
             .and_then(|existing| existing.iter().find(|&&b| self.pool.block_is_cached(b)))
         {
-            return Err(if self.strict() {
-                Error::AlreadyHashed { block_id: block }
-            } else {
-                Error::Assertion(format!("block {block} already has a hash"))
-            });
+            return Err(Error::AlreadyHashed { block_id: block });
         }
         let mut hashes = Vec::with_capacity(full - num_cached);
         request.block_hashes.hashes(num_cached..full, &mut hashes)?;

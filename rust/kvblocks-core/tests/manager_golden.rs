@@ -468,7 +468,6 @@ fn prefix_cache_stats() {
             requests: 2,
             queries: 20,
             hits: 4,
-            ..PrefixCacheStats::default()
         })
     );
     assert_eq!(

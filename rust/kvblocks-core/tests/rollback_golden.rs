@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::PathBuf;
 
-use kvblocks_core::manager::Tolerance;
+use kvblocks_core::rollback::Tolerance;
 use kvblocks_core::rollback::{
     check_single_group, handle_invalid_blocks, rollback_invalid_blocks, Batch, BlockIds, Mode,
     Policy, Rollback, MULTIPLE_GROUPS_MESSAGE,

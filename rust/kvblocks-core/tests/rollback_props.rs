@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 
-use kvblocks_core::manager::Tolerance;
+use kvblocks_core::rollback::Tolerance;
 use kvblocks_core::rollback::{
     check_single_group, handle_failed_recving, handle_invalid_blocks, rollback_invalid_blocks,
     Batch, Mode, Pass, Policy, Rollback, RollbackTarget, MULTIPLE_GROUPS_MESSAGE,

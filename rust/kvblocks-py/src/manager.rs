@@ -388,7 +388,6 @@ impl PyKVCacheManager {
             num_lookahead_tokens,
             num_external_computed_tokens,
             delay_cache_blocks: delay_cache_blocks.0,
-            ..SlotRequest::default()
         };
         let tokens = RequestTokens::new(self.events.as_ref(), request);
         let before = self.inner.events().len();

@@ -33,7 +33,6 @@ use crate::block_hash::BlockHash;
 use crate::error::{positive, Error, Result};
 use crate::events::{EventConfig, EventLog};
 use crate::index::ix;
-use crate::manager::{slice_end, watermark_blocks, ReleaseRules};
 use crate::pool::{BlockPool, NULL_BLOCK_ID};
 use crate::request::{HashSource, RequestView};
 
@@ -127,6 +126,93 @@ enum Coordinator {
     NoPrefixCache,
     Unitary,
     Hybrid,
+}
+
+/// The rules that differ between the vLLM releases a manager can stand in for (the
+/// default is the newest's); each field names one difference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseRules {
+    /// vLLM 0.33 on: `cache_blocks` caches no block past the request's hashed tokens.
+    /// Before, it counts every full block of `num_computed_tokens` as cached, and
+    /// fails indexing the hash of a table block that has none, after caching those
+    /// before it.
+    pub caps_caching_at_hashed_tokens: bool,
+    /// vLLM 0.31: `get_num_common_prefix_blocks` counts the blocks every request with a
+    /// table shares (cascade attention); later releases answer 0.
+    pub counts_common_prefix_blocks: bool,
+}
+
+impl ReleaseRules {
+    /// The rules of vLLM `major.minor` (0.31 to 0.33; a later one gets the newest's).
+    #[must_use]
+    pub fn for_vllm((major, minor): (u32, u32)) -> Self {
+        Self {
+            caps_caching_at_hashed_tokens: (major, minor) >= (0, 33),
+            counts_common_prefix_blocks: (major, minor) <= (0, 31),
+        }
+    }
+}
+
+impl Default for ReleaseRules {
+    fn default() -> Self {
+        Self::for_vllm((0, 33))
+    }
+}
+
+/// vLLM's `int(watermark * num_blocks)`, where vLLM first asserts `watermark >= 0.0`
+/// ([`Error::Assertion`], also for NaN) and `int(inf)` overflows ([`Error::Overflow`]).
+///
+/// # Errors
+/// As said.
+fn watermark_blocks(watermark: f64, num_blocks: u32) -> Result<usize> {
+    if watermark == f64::INFINITY {
+        return Err(Error::Overflow(
+            "cannot convert float infinity to integer".to_owned(),
+        ));
+    }
+    if !watermark.is_finite() || watermark < 0.0 {
+        return Err(Error::Assertion(format!(
+            "watermark must be a finite non-negative fraction, got {watermark}"
+        )));
+    }
+    // Truncation toward zero is vLLM's `int()`; the product is non-negative.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    Ok((watermark * f64::from(num_blocks)) as usize)
+}
+
+/// vLLM's `block_pool.evict_blocks`: it evicts in the given order and stops at the
+/// first id it refuses, the ones before it evicted. An id past the pool fails its
+/// assert, and a negative one counts from the end.
+///
+/// # Errors
+/// [`Error::Assertion`] for an id of `num_blocks` or more; [`Error::UnknownBlock`] for
+/// one below `-num_blocks`.
+fn evict_as_vllm(pool: &mut BlockPool, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
+    let n = i64::from(pool.num_blocks());
+    let mut removed = Vec::new();
+    for &id in block_ids {
+        if id >= n {
+            return Err(Error::Assertion(format!(
+                "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
+                 workers should only report block IDs that were allocated by the scheduler."
+            )));
+        }
+        let id = if id < 0 { id.saturating_add(n) } else { id };
+        removed.extend(pool.evict_blocks(&[id])?);
+    }
+    Ok(removed)
+}
+
+/// Where Python's `items[:end]` ends in a list of `len` items: a negative `end` counts
+/// from the end.
+fn slice_end(end: i64, len: usize) -> usize {
+    let len_signed = signed(len);
+    let end = if end < 0 {
+        len_signed.saturating_add(end)
+    } else {
+        end
+    };
+    usize::try_from(end.clamp(0, len_signed)).unwrap_or(0)
 }
 
 /// One group's state of a request (vLLM's `req_to_blocks` and `num_cached_block`
@@ -304,6 +390,15 @@ impl HybridManager {
             hashes,
             scale: index(self.groups[gid].block_size / self.hash_block_size).max(1),
         }
+    }
+
+    /// Whether calls use a request's `num_prompt_tokens`, `num_in_flight_tokens` and
+    /// `shared_prefix_boundary`: local-attention groups do, and full-attention groups
+    /// whose blocks are larger than the hash block (their partial prompt tail).
+    pub fn uses_layout_fields(&self) -> bool {
+        self.groups
+            .iter()
+            .any(|g| !g.attention.is_full() || g.block_size != self.hash_block_size)
     }
 
     /// The groups, in vLLM's order.
@@ -1060,7 +1155,7 @@ impl HybridManager {
     /// # Errors
     /// As that method.
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
-        crate::manager::evict_as_vllm(&mut self.pool, block_ids)
+        evict_as_vllm(&mut self.pool, block_ids)
     }
 
     /// Empties the prefix cache if no block is in use.

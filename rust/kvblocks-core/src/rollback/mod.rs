@@ -37,13 +37,22 @@ pub use apply::{handle_failed_recving, FailedRecving, Pass, RollbackTarget};
 use id_set::{Filter, IdSet};
 
 use crate::error::{positive, Error, Result};
-use crate::manager::Tolerance;
 
 /// vLLM's message when block-level failures meet a model with several KV cache groups.
 pub const MULTIPLE_GROUPS_MESSAGE: &str = "A KV connector reported block-level load failures \
      (invalid_block_ids) which is not supported for models with multiple KV cache groups. \
      Connectors must report failed requests via KVConnectorTransferResults.failed_recving \
      instead.";
+
+/// What a rollback does with an argument outside the documented domain.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Tolerance {
+    /// Refuse it with the documented error, changing nothing (the library API).
+    #[default]
+    Strict,
+    /// Do what vLLM's own code does with it (its scheduler is the caller).
+    Vllm,
+}
 
 /// Which rollback semantics to apply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -19,8 +19,7 @@ pub use outcome::{PyInvalidBlocksOutcome, PyRollbackResult};
 
 use std::collections::HashSet;
 
-use kvblocks_core::manager::Tolerance;
-use kvblocks_core::rollback::{self, Batch, Mode, Pass, Policy};
+use kvblocks_core::rollback::{self, Batch, Mode, Pass, Policy, Tolerance};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PySet;
@@ -110,9 +109,8 @@ fn native_manager<'py>(manager: &Bound<'py, PyAny>) -> PyResult<Option<NativeMan
 /// The manager's tolerance: vLLM's for the manager built for vLLM's scheduler.
 fn tolerance(native: Option<&NativeManager<'_>>) -> Tolerance {
     match native {
-        Some(NativeManager::Library(m)) => m.inner.tolerance(),
         Some(NativeManager::Vllm(_)) => Tolerance::Vllm,
-        None => Tolerance::Strict,
+        Some(NativeManager::Library(_)) | None => Tolerance::Strict,
     }
 }
 

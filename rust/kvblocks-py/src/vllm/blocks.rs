@@ -37,16 +37,7 @@ pub struct PyKVCacheBlocks {
 }
 
 impl PyKVCacheBlocks {
-    /// One group's ids.
-    pub(crate) fn single(ids: Vec<u32>, pool: Option<PoolHandle>) -> Self {
-        Self {
-            ids,
-            ends: Vec::new(),
-            pool,
-        }
-    }
-
-    /// Several groups' ids.
+    /// The groups' ids.
     pub(crate) fn grouped<'a>(
         groups: impl IntoIterator<Item = &'a [u32]>,
         pool: Option<PoolHandle>,
@@ -56,6 +47,10 @@ impl PyKVCacheBlocks {
         for group in groups {
             ids.extend_from_slice(group);
             ends.push(ids.len());
+        }
+        // One group needs no ends: the common layout's results stay one vector.
+        if ends.len() == 1 {
+            ends.clear();
         }
         Self { ids, ends, pool }
     }
@@ -202,10 +197,6 @@ impl PyKVCacheBlocks {
             .zip(&theirs)
             .map(|(a, b)| a.iter().chain(b.iter()).copied().collect())
             .collect();
-        if self.ends.is_empty() && other.ends.is_empty() {
-            let ids = joined.into_iter().next().unwrap_or_default();
-            return Ok(Self::single(ids, pool));
-        }
         Ok(Self::grouped(joined.iter().map(Vec::as_slice), pool))
     }
 

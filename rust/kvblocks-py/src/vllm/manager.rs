@@ -13,9 +13,8 @@ use std::sync::OnceLock;
 use hashbrown::HashMap;
 use kvblocks_core::events::EventLog;
 use kvblocks_core::hybrid::{
-    Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots,
+    Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots, ReleaseRules,
 };
-use kvblocks_core::manager::ReleaseRules;
 use kvblocks_core::request::HashSource;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
@@ -71,6 +70,8 @@ pub struct PyVllmManager {
     empty: Py<PyKVCacheBlocks>,
     /// The `block_pool` view, made on first access.
     pool_view: OnceLock<Py<PyBlockPool>>,
+    /// The core's [`HybridManager::uses_layout_fields`].
+    uses_layout_fields: bool,
 }
 
 impl PoolHost for PyVllmManager {
@@ -108,13 +109,18 @@ impl PyVllmManager {
     ) -> PyResult<T> {
         let py = slf.py();
         let req = VllmRequest::read(request)?;
-        let num_prompt_tokens = request_attr(request, intern!(py, "num_prompt_tokens"))?;
-        let shared_prefix_boundary = request_attr(request, intern!(py, "shared_prefix_boundary"))?;
-        let num_in_flight_tokens = if in_flight {
-            request_attr(request, intern!(py, "num_in_flight_tokens"))?
-        } else {
-            0
+        // Layouts of full-attention groups alone use none of these: not read then.
+        let layout = slf.try_borrow()?.uses_layout_fields;
+        let field = |name, wanted: bool| {
+            if wanted && layout {
+                request_attr(request, name)
+            } else {
+                Ok(0)
+            }
         };
+        let num_prompt_tokens = field(intern!(py, "num_prompt_tokens"), true)?;
+        let shared_prefix_boundary = field(intern!(py, "shared_prefix_boundary"), true)?;
+        let num_in_flight_tokens = field(intern!(py, "num_in_flight_tokens"), in_flight)?;
         let id = req.request_id.to_str()?;
         let mut this = slf.try_borrow_mut()?;
         let mut caches = std::mem::take(&mut this.hashes);
@@ -294,6 +300,7 @@ impl PyVllmManager {
             py,
             PyKVCacheBlocks::grouped(vec![&[][..]; num_groups], None),
         )?;
+        let uses_layout_fields = inner.uses_layout_fields();
         Ok(Self {
             inner,
             events,
@@ -301,6 +308,7 @@ impl PyVllmManager {
             admission_statuses: int_column(admission_statuses)?.into_vec(),
             empty,
             pool_view: OnceLock::new(),
+            uses_layout_fields,
         })
     }
 

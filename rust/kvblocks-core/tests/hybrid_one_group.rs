@@ -1,16 +1,17 @@
-//! The rules of vLLM 0.33.0's `KVCacheManager` that its Scheduler relies on beyond the
-//! golden traces: the full-sequence admission gate, reserved blocks, the watermark,
-//! prefix hits that are free (and so consumed by touching them), deferred frees,
-//! `estimate_cached_tokens`, the coordinator's block count, bounded lookups, preempted
-//! stats, "full"-mode reuse events, and what vLLM does with arguments outside the
-//! library's domain ([`Tolerance::Vllm`]). Each case states vLLM's arithmetic.
+//! vLLM's `KVCacheManager` for one full-attention group, as its Scheduler gets it from
+//! kvblocks (the hybrid manager with one group), at the rules the Scheduler relies on
+//! beyond the scheduler-level runs: the full-sequence admission gate, reserved blocks,
+//! the watermark, prefix hits that are free (and so consumed by touching them),
+//! deferred frees, `estimate_cached_tokens`, the coordinator's block count, bounded
+//! lookups, "full"-mode reuse events, the rules of older releases, and what vLLM does
+//! with arguments outside the library's domain. Each case states vLLM's arithmetic.
 
 mod common;
 
 use common::Source;
 use kvblocks_core::events::EventRecord;
-use kvblocks_core::manager::{
-    KVCacheManager, Lookup, PrefixCacheStats, ReleaseRules, SlotRequest, Tolerance,
+use kvblocks_core::hybrid::{
+    Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots, ReleaseRules,
 };
 use kvblocks_core::request::RequestView;
 use kvblocks_core::{BlockHash, Error};
@@ -25,36 +26,64 @@ fn source(num_tokens: usize) -> Source {
     Source { hashes, tokens }
 }
 
-fn view<'a>(id: &'a str, num_computed: i64, s: &'a Source) -> RequestView<'a, Source> {
-    RequestView {
-        request_id: id,
-        num_tokens: i64::try_from(s.tokens.len()).unwrap(),
-        num_computed_tokens: num_computed,
-        block_hashes: s,
+fn view<'a>(id: &'a str, num_computed: i64, s: &'a Source) -> HybridRequest<'a, Source> {
+    let num_tokens = i64::try_from(s.tokens.len()).unwrap();
+    HybridRequest {
+        view: RequestView {
+            request_id: id,
+            num_tokens,
+            num_computed_tokens: num_computed,
+            block_hashes: s,
+        },
+        num_prompt_tokens: num_tokens,
+        num_in_flight_tokens: 0,
+        shared_prefix_boundary: 0,
     }
 }
 
-fn new_tokens(n: i64) -> SlotRequest<'static> {
-    SlotRequest {
+fn new_tokens(n: i64) -> HybridSlots<'static> {
+    HybridSlots {
         num_new_tokens: n,
-        has_scheduled_reqs: true,
-        ..SlotRequest::default()
+        ..HybridSlots::default()
     }
 }
 
-/// A manager of `num_blocks` blocks of 4 tokens, capped at 1,024 tokens.
-fn manager(num_blocks: i64) -> KVCacheManager {
-    KVCacheManager::new(num_blocks, BS, true, Some(1024), true).unwrap()
+/// One full-attention group of 4-token blocks, capped at 1,024 tokens.
+fn manager_with(num_blocks: i64, enable_caching: bool) -> HybridManager {
+    HybridManager::new(HybridConfig {
+        num_blocks,
+        scheduler_block_size: BS,
+        hash_block_size: BS,
+        groups: vec![GroupSpec {
+            attention: Attention::Full,
+            block_size: BS,
+            admission_cap: None,
+            lookup_class: 0,
+        }],
+        enable_caching,
+        max_model_len: 1024,
+        retention_interval: None,
+    })
+    .unwrap()
 }
+
+fn manager(num_blocks: i64) -> HybridManager {
+    manager_with(num_blocks, true)
+}
+
+/// The free queue, the requests with a table, and the cached blocks.
+type Snapshot = (Vec<u32>, Vec<String>, Vec<(u32, BlockHash, u32)>);
 
 /// The state a refused call must leave alone.
-fn snapshot(mgr: &KVCacheManager) -> (Vec<u32>, usize, Vec<(u32, BlockHash, u32)>) {
+fn snapshot(mgr: &HybridManager) -> Snapshot {
     let pool = mgr.block_pool();
-    (
-        pool.free_block_ids(),
-        mgr.num_requests(),
-        pool.cached_blocks(),
-    )
+    let mut ids: Vec<String> = mgr.request_ids(0).map(str::to_owned).collect();
+    ids.sort();
+    (pool.free_block_ids(), ids, pool.cached_blocks())
+}
+
+fn table(mgr: &HybridManager, id: &str) -> Vec<u32> {
+    mgr.get_block_ids(id)[0].to_vec()
 }
 
 #[test]
@@ -63,7 +92,7 @@ fn the_full_sequence_gate_refuses_what_only_the_chunk_fits() {
     let mut mgr = manager(10);
     let s = source(40);
     let chunk = new_tokens(8);
-    let gated = SlotRequest {
+    let gated = HybridSlots {
         full_sequence_must_fit: true,
         ..chunk
     };
@@ -72,18 +101,14 @@ fn the_full_sequence_gate_refuses_what_only_the_chunk_fits() {
     assert_eq!(snapshot(&mgr), before, "a refusal changes nothing");
     assert_eq!(
         mgr.allocate_slots(&view("r", 0, &s), &chunk).unwrap(),
-        Some(vec![1, 2])
+        Some(vec![vec![1, 2]])
     );
     // 36 tokens need 9 blocks: the gate lets the whole of it in.
     let mut mgr = manager(10);
     let s = source(36);
-    let gated = SlotRequest {
-        full_sequence_must_fit: true,
-        ..new_tokens(8)
-    };
     assert_eq!(
         mgr.allocate_slots(&view("r", 0, &s), &gated).unwrap(),
-        Some(vec![1, 2])
+        Some(vec![vec![1, 2]])
     );
 }
 
@@ -93,7 +118,7 @@ fn reserved_blocks_are_left_free_for_the_step_but_not_the_gate() {
     let s = source(12);
     for (reserved, fits) in [(6, true), (7, false)] {
         let mut mgr = manager(10);
-        let args = SlotRequest {
+        let args = HybridSlots {
             reserved_blocks: reserved,
             ..new_tokens(12)
         };
@@ -102,7 +127,7 @@ fn reserved_blocks_are_left_free_for_the_step_but_not_the_gate() {
     }
     // The full-sequence gate ignores the reservation (it compares with all free blocks).
     let mut mgr = manager(10);
-    let args = SlotRequest {
+    let args = HybridSlots {
         reserved_blocks: 6,
         full_sequence_must_fit: true,
         ..new_tokens(12)
@@ -111,51 +136,28 @@ fn reserved_blocks_are_left_free_for_the_step_but_not_the_gate() {
         .allocate_slots(&view("r", 0, &s), &args)
         .unwrap()
         .is_some());
-    let mut mgr = manager(10);
-    let args = SlotRequest {
-        reserved_blocks: -1,
-        ..new_tokens(12)
-    };
-    assert_eq!(
-        mgr.allocate_slots(&view("r", 0, &s), &args).unwrap_err(),
-        Error::Negative {
-            name: "reserved_blocks",
-            value: -1
-        }
-    );
 }
 
 #[test]
 fn the_watermark_applies_to_admissions_while_others_are_scheduled() {
     // int(0.25 * 10) = 2 blocks kept; 9 free; 32 tokens need 8: 8 + 2 > 9.
     let s = source(32);
-    let cases = [
-        (true, true, false),
-        (true, false, true),
-        (false, true, true),
-        (false, false, true),
-    ];
-    for (admitting, has_scheduled_reqs, fits) in cases {
+    for (watermarked, fits) in [(true, false), (false, true)] {
         let mut mgr = manager(10);
         mgr.set_watermark(0.25).unwrap();
         assert_eq!(mgr.watermark_blocks(), 2);
-        let args = SlotRequest {
-            admitting,
-            has_scheduled_reqs,
+        let args = HybridSlots {
+            watermarked,
             ..new_tokens(32)
         };
         let got = mgr.allocate_slots(&view("r", 0, &s), &args).unwrap();
-        assert_eq!(
-            got.is_some(),
-            fits,
-            "admitting {admitting}, others {has_scheduled_reqs}"
-        );
+        assert_eq!(got.is_some(), fits, "watermarked {watermarked}");
     }
     // The gate counts the watermark too: 36 tokens need 9 blocks, 9 + 2 > 9.
     let mut mgr = manager(10);
     mgr.set_watermark(0.25).unwrap();
-    let gated = SlotRequest {
-        admitting: true,
+    let gated = HybridSlots {
+        watermarked: true,
         full_sequence_must_fit: true,
         ..new_tokens(4)
     };
@@ -164,14 +166,14 @@ fn the_watermark_applies_to_admissions_while_others_are_scheduled() {
             .unwrap(),
         None
     );
-    for bad in [-0.1, f64::NAN, f64::INFINITY] {
-        let err = mgr.set_watermark(bad).unwrap_err();
-        assert!(
-            err.to_string()
-                .starts_with("watermark must be a finite non-negative fraction"),
-            "{err}"
-        );
+    // vLLM asserts a non-negative watermark (NaN fails it too); int(inf) overflows.
+    for bad in [-0.1, f64::NAN] {
+        assert!(matches!(mgr.set_watermark(bad), Err(Error::Assertion(_))));
     }
+    assert!(matches!(
+        mgr.set_watermark(f64::INFINITY),
+        Err(Error::Overflow(_))
+    ));
     assert_eq!(
         mgr.watermark_blocks(),
         2,
@@ -187,22 +189,29 @@ fn free_hits_count_as_taken_from_the_pool() {
     mgr.allocate_slots(&view("r0", 0, &s), &new_tokens(12))
         .unwrap();
     mgr.free("r0").unwrap();
-    let (hits, hit_tokens) = mgr.get_computed_blocks(&view("r1", 0, &s)).unwrap();
-    assert_eq!((hits.len(), hit_tokens), (2, 8));
-    let hit_ids: Vec<i64> = hits.iter().map(|&b| i64::from(b)).collect();
+    let hit = mgr
+        .get_computed_blocks(&view("r1", 0, &s).view, None)
+        .unwrap();
+    assert_eq!((hit.blocks[0].len(), hit.hit_tokens), (2, 8));
     // 5 free blocks; the request needs cdiv(12, 4) = 3, 2 of them hits that are free:
     // 1 new + 2 touched = 3 <= 5. The coordinator's count says the same.
-    assert_eq!(mgr.num_blocks_to_allocate("r1", 12, &hit_ids).unwrap(), 3);
-    assert_eq!(mgr.num_blocks_to_allocate("r1", 12, &[]).unwrap(), 3);
-    // With 4 blocks reserved only 1 is available: refused.
-    let args = SlotRequest {
+    assert_eq!(
+        mgr.num_blocks_to_allocate("r1", 12, &hit.blocks, 0, false),
+        Ok(3)
+    );
+    assert_eq!(
+        mgr.num_blocks_to_allocate("r1", 12, &[vec![]], 0, false),
+        Ok(3)
+    );
+    // With 3 blocks reserved only 2 are available: refused.
+    let args = HybridSlots {
         num_new_computed_tokens: 8,
-        new_computed_blocks: &hit_ids,
+        new_computed_blocks: Some(&hit.blocks),
         reserved_blocks: 3,
         ..new_tokens(4)
     };
     assert_eq!(mgr.allocate_slots(&view("r1", 0, &s), &args).unwrap(), None);
-    let args = SlotRequest {
+    let args = HybridSlots {
         reserved_blocks: 2,
         ..args
     };
@@ -210,15 +219,15 @@ fn free_hits_count_as_taken_from_the_pool() {
         .allocate_slots(&view("r1", 0, &s), &args)
         .unwrap()
         .is_some());
-    // Known now: one more token needs cdiv(13, 4) - 3 = 1 block; hits are refused.
-    assert_eq!(mgr.num_blocks_to_allocate("r1", 13, &[]).unwrap(), 1);
+    // Known now: one more token needs cdiv(13, 4) - 3 = 1 block; vLLM asserts
+    // against new hits for a running request.
+    assert_eq!(
+        mgr.num_blocks_to_allocate("r1", 13, &[vec![]], 0, false),
+        Ok(1)
+    );
     assert!(matches!(
-        mgr.num_blocks_to_allocate("r1", 13, &[1]),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        mgr.num_blocks_to_allocate("r1", -1, &[]),
-        Err(Error::Negative { .. })
+        mgr.num_blocks_to_allocate("r1", 13, &[vec![1]], 0, false),
+        Err(Error::Assertion(_))
     ));
 }
 
@@ -229,18 +238,18 @@ fn popped_blocks_stay_held_until_freed() {
     let got = mgr
         .allocate_slots(&view("r", 0, &s), &new_tokens(10))
         .unwrap();
-    assert_eq!(got, Some(vec![1, 2, 3]));
+    assert_eq!(got, Some(vec![vec![1, 2, 3]]));
     let free = mgr.block_pool().num_free_blocks();
-    let table = mgr.pop_blocks_for_free("r");
-    assert_eq!(table, [1, 2, 3]);
-    assert_eq!(mgr.num_requests(), 0, "the request is forgotten");
+    let popped = mgr.pop_blocks_for_free("r");
+    assert_eq!(popped, [1, 2, 3]);
+    assert_eq!(mgr.request_ids(0).count(), 0, "the request is forgotten");
     assert_eq!(
         mgr.block_pool().num_free_blocks(),
         free,
         "its blocks are still held"
     );
     assert!(mgr.pop_blocks_for_free("r").is_empty());
-    let tail_first: Vec<i64> = table.iter().rev().map(|&b| i64::from(b)).collect();
+    let tail_first: Vec<i64> = popped.iter().rev().map(|&b| i64::from(b)).collect();
     mgr.block_pool_mut().free_blocks(&tail_first).unwrap();
     assert_eq!(mgr.block_pool().num_free_blocks(), 7);
     mgr.check_invariants().unwrap();
@@ -262,96 +271,34 @@ fn cached_tokens_end_at_the_last_hashed_block() {
 }
 
 #[test]
-fn lookups_are_bounded_and_may_be_skipped() {
+fn lookups_are_bounded() {
     let mut mgr = manager(10);
     let s = source(20);
     mgr.allocate_slots(&view("r0", 0, &s), &new_tokens(20))
         .unwrap();
     let r1 = view("r1", 0, &s);
     // Default: num_tokens - 1 = 19 tokens, 4 blocks.
-    assert_eq!(mgr.get_computed_blocks(&r1).unwrap().1, 16);
-    let capped = Lookup {
-        max_cache_hit_length: Some(9),
-        ..Lookup::default()
-    };
     assert_eq!(
-        mgr.get_computed_blocks_with(&r1, capped).unwrap(),
-        (vec![1, 2], 8)
+        mgr.get_computed_blocks(&r1.view, None).unwrap().hit_tokens,
+        16
     );
-    let skipped = Lookup {
-        skip_reading_prefix_cache: true,
-        ..Lookup::default()
-    };
-    assert_eq!(
-        mgr.get_computed_blocks_with(&r1, skipped).unwrap(),
-        (vec![], 0)
-    );
-    let negative = Lookup {
-        max_cache_hit_length: Some(-1),
-        ..Lookup::default()
-    };
-    // vLLM's islice refuses a negative bound too.
-    assert_eq!(
-        mgr.get_computed_blocks_with(&r1, negative).unwrap_err(),
-        Error::Negative {
-            name: "max_cache_hit_length",
-            value: -1
-        }
-    );
-}
-
-#[test]
-fn preempted_lookups_are_counted_apart_and_skipped_ones_not_at_all() {
-    let mut mgr = manager(10);
-    let s = source(20);
-    let r = view("r", 0, &s);
-    mgr.record_prefix_cache_stats_with(&r, 8, false, false)
-        .unwrap();
-    mgr.record_prefix_cache_stats_with(&r, 4, false, true)
-        .unwrap();
-    // A lookup that was skipped (skip_reading_prefix_cache) is not counted.
-    mgr.record_prefix_cache_stats_with(&r, 4, true, false)
-        .unwrap();
-    assert_eq!(
-        mgr.make_prefix_cache_stats(),
-        Some(PrefixCacheStats {
-            requests: 1,
-            queries: 20,
-            hits: 8,
-            preempted_requests: 1,
-            preempted_queries: 20,
-            preempted_hits: 4,
-            reset: false,
-        })
-    );
-    // Validation still runs for a skipped lookup.
-    assert!(mgr
-        .record_prefix_cache_stats_with(&r, 21, true, false)
-        .is_err());
-    // With caching off vLLM records nothing; the plain call keeps kvblocks' rule.
-    let mut off = KVCacheManager::new(10, BS, false, None, true).unwrap();
-    off.record_prefix_cache_stats_with(&r, 0, false, false)
-        .unwrap();
-    assert_eq!(
-        off.make_prefix_cache_stats(),
-        Some(PrefixCacheStats::default())
-    );
-    off.record_prefix_cache_stats(&r, 0).unwrap();
-    assert_eq!(off.make_prefix_cache_stats().unwrap().requests, 1);
+    let capped = mgr.get_computed_blocks(&r1.view, Some(9)).unwrap();
+    assert_eq!((capped.blocks, capped.hit_tokens), (vec![vec![1, 2]], 8));
 }
 
 #[test]
 fn reused_blocks_are_reported_once_from_block_zero() {
     let mut mgr = manager(10);
-    mgr.enable_kv_cache_events(false);
+    mgr.enable_kv_cache_events();
     let s = source(13);
     mgr.allocate_slots(&view("r0", 0, &s), &new_tokens(13))
         .unwrap();
     mgr.clear_events();
     let r1 = view("r1", 0, &s);
-    let (hits, _) = mgr.get_computed_blocks(&r1).unwrap();
-    assert_eq!(hits.len(), 3);
-    mgr.record_cached_block_events(&r1, hits.len()).unwrap();
+    let hit = mgr.get_computed_blocks(&r1.view, None).unwrap();
+    assert_eq!(hit.blocks[0].len(), 3);
+    mgr.record_cached_block_events(&r1.view, &hit.blocks)
+        .unwrap();
     let log = mgr.events();
     let [EventRecord::Stored(record)] = log.records() else {
         panic!("one BlockStored, got {:?}", log.records());
@@ -363,18 +310,8 @@ fn reused_blocks_are_reported_once_from_block_zero() {
     assert_eq!(log.stored_hashes(record), &s.hashes[..3]);
     assert_eq!(log.stored_tokens(record), &s.tokens[..12]);
     mgr.clear_events();
-    // Past the request's 3 hashes: refused.
-    assert!(mgr.record_cached_block_events(&r1, 4).is_err());
-    assert!(mgr.events().is_empty(), "a failed call records nothing");
-    mgr.record_cached_block_events(&r1, 0).unwrap();
+    mgr.record_cached_block_events(&r1.view, &[vec![]]).unwrap();
     assert!(mgr.events().is_empty());
-}
-
-/// A manager as vLLM's scheduler gets it: vLLM's tolerance.
-fn vllm_manager(num_blocks: i64) -> KVCacheManager {
-    let mut mgr = manager(num_blocks);
-    mgr.set_tolerance(Tolerance::Vllm);
-    mgr
 }
 
 #[test]
@@ -382,19 +319,12 @@ fn a_negative_cache_count_caches_nothing() {
     // vLLM's async spec-decode path passes num_computed_tokens - num_in_flight_tokens
     // = -1: min(-1, 2 * 4) // 4 = -1 full blocks, not above the 0 cached.
     let s = source(10);
-    let mut strict = manager(8);
-    let mut mgr = vllm_manager(8);
-    let delayed = SlotRequest {
+    let mut mgr = manager(8);
+    let delayed = HybridSlots {
         delay_cache_blocks: true,
         ..new_tokens(10)
     };
-    for m in [&mut strict, &mut mgr] {
-        m.allocate_slots(&view("r", 0, &s), &delayed).unwrap();
-    }
-    assert!(matches!(
-        strict.cache_blocks(&view("r", 0, &s), -1),
-        Err(Error::Negative { .. })
-    ));
+    mgr.allocate_slots(&view("r", 0, &s), &delayed).unwrap();
     let before = snapshot(&mgr);
     mgr.cache_blocks(&view("r", 0, &s), -1).unwrap();
     mgr.cache_blocks(&view("r", 0, &s), i64::MIN).unwrap();
@@ -409,8 +339,8 @@ fn a_cache_count_past_the_table_is_recorded_as_vllm_records_it() {
     // 17 tokens, 4 hashes; 2 blocks held. vLLM caches blocks[0:4] (the 2 there) and
     // sets num_cached_block = 4, so the next 2 blocks are never hashed.
     let s = source(17);
-    let mut mgr = vllm_manager(8);
-    let delayed = SlotRequest {
+    let mut mgr = manager(8);
+    let delayed = HybridSlots {
         delay_cache_blocks: true,
         ..new_tokens(8)
     };
@@ -421,14 +351,13 @@ fn a_cache_count_past_the_table_is_recorded_as_vllm_records_it() {
     let new = mgr
         .allocate_slots(&view("r", 8, &s), &new_tokens(9))
         .unwrap();
-    assert_eq!(new.map(|b| b.len()), Some(3));
+    assert_eq!(new.map(|b| b[0].len()), Some(3));
     assert_eq!(mgr.estimate_cached_tokens("r"), 8);
-    mgr.check_invariants().unwrap();
     // A request it has not seen: nothing cached, the count kept until freed.
     mgr.cache_blocks(&view("q", 0, &s), 17).unwrap();
-    assert!(mgr.get_block_ids("q").is_empty());
+    assert!(table(&mgr, "q").is_empty());
     mgr.free("q").unwrap();
-    assert_eq!(mgr.num_requests(), 1);
+    assert_eq!(mgr.request_ids(0).collect::<Vec<_>>(), ["r"]);
 }
 
 #[test]
@@ -436,28 +365,28 @@ fn negative_slot_counts_are_summed_before_they_are_clamped() {
     // vLLM: total = 8 + 0 + 0, main = 8 + (-3) = 5, slots = min(5 + 2, 1024) = 7:
     // cdiv(7, 4) = 2 blocks; a count at or below zero needs none.
     let s = source(12);
-    let mut mgr = vllm_manager(8);
+    let mut mgr = manager(8);
     mgr.allocate_slots(&view("r", 0, &s), &new_tokens(8))
         .unwrap();
-    let odd = SlotRequest {
+    let odd = HybridSlots {
         num_lookahead_tokens: 2,
         ..new_tokens(-3)
     };
     assert_eq!(
         mgr.allocate_slots(&view("r", 8, &s), &odd),
-        Ok(Some(vec![]))
+        Ok(Some(vec![vec![]]))
     );
-    let overdrawn = SlotRequest {
+    let overdrawn = HybridSlots {
         num_lookahead_tokens: -40,
         ..new_tokens(9)
     };
     assert_eq!(
         mgr.allocate_slots(&view("r", 8, &s), &overdrawn),
-        Ok(Some(vec![]))
+        Ok(Some(vec![vec![]]))
     );
     // A negative reservation adds room: 6 <= 5 free - (-2) passes vLLM's check, and
     // then the pool cannot give 6 blocks: vLLM's ValueError.
-    let reserved = SlotRequest {
+    let reserved = HybridSlots {
         reserved_blocks: -2,
         ..new_tokens(24)
     };
@@ -468,102 +397,50 @@ fn negative_slot_counts_are_summed_before_they_are_clamped() {
             free: 5
         })
     );
-    // Exactly nothing to place is vLLM's ValueError too.
-    assert!(matches!(
-        mgr.allocate_slots(&view("r", 8, &s), &new_tokens(0)),
-        Err(Error::InvalidArgument(_))
-    ));
 }
 
 #[test]
 fn what_vllm_asserts_is_an_assertion() {
     // Hits for a request that already holds blocks: vLLM asserts in
-    // get_num_blocks_to_allocate; the library refuses the argument.
+    // get_num_blocks_to_allocate.
     let s = source(12);
-    let mut strict = manager(8);
-    let mut mgr = vllm_manager(8);
-    for m in [&mut strict, &mut mgr] {
-        m.allocate_slots(&view("r", 0, &s), &new_tokens(8)).unwrap();
-    }
-    let hits = [1_i64];
-    let adopt = SlotRequest {
-        new_computed_blocks: &hits,
+    let mut mgr = manager(8);
+    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(8))
+        .unwrap();
+    let hits = [vec![1]];
+    let adopt = HybridSlots {
+        new_computed_blocks: Some(&hits),
         num_new_computed_tokens: 4,
         ..new_tokens(4)
     };
     assert!(matches!(
-        strict.allocate_slots(&view("r", 8, &s), &adopt),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
         mgr.allocate_slots(&view("r", 8, &s), &adopt),
         Err(Error::Assertion(_))
     ));
-    assert!(matches!(mgr.set_watermark(-0.5), Err(Error::Assertion(_))));
     // evict_blocks: an id past the pool fails vLLM's assert; -7 is block 1 of 8.
     assert!(matches!(mgr.evict_blocks(&[8]), Err(Error::Assertion(_))));
     assert!(matches!(
         mgr.evict_blocks(&[-9]),
         Err(Error::UnknownBlock { .. })
     ));
-    mgr.cache_blocks(&view("r", 8, &s), 8).unwrap();
     assert_eq!(mgr.evict_blocks(&[-7]).unwrap().len(), 1);
 }
 
 #[test]
-fn vllm_lookups_and_slices_follow_pythons_arithmetic() {
+fn vllm_slices_follow_pythons_arithmetic() {
     let s = source(13);
-    let mut mgr = vllm_manager(8);
+    let mut mgr = manager(8);
     mgr.allocate_slots(&view("r", 0, &s), &new_tokens(13))
         .unwrap();
     // table[:cdiv(n, 4)], a negative end counting from the end: cdiv(-9, 4) = -2.
-    let table = mgr.get_block_ids("r").to_vec();
+    let whole = table(&mgr, "r");
     for (tokens, end) in [(-9, 2), (-5, 3), (-4, 3), (-1, 0), (0, 0), (5, 2), (99, 4)] {
         assert_eq!(
             mgr.block_ids_for_computed_tokens("r", tokens),
-            &table[..end],
+            [&whole[..end]],
             "{tokens}"
         );
     }
-    // A request without tokens looks up at most -1 tokens: islice refuses it.
-    let empty = source(0);
-    assert!(matches!(
-        mgr.get_computed_blocks(&view("e", 0, &empty)),
-        Err(Error::Negative { .. })
-    ));
-    assert!(manager(8)
-        .get_computed_blocks(&view("e", 0, &empty))
-        .is_ok());
-    // vLLM's PrefixCacheStats.record adds whatever it is given.
-    mgr.record_prefix_cache_stats(&view("r", 0, &s), -2)
-        .unwrap();
-    let stats = mgr.make_prefix_cache_stats().unwrap();
-    assert_eq!((stats.requests, stats.queries, stats.hits), (1, 13, -2));
-}
-
-#[test]
-fn vllm_asserts_against_adopting_only_after_its_capacity_checks() {
-    // Caching off, so r holds blocks without a cached count. External tokens for it:
-    // vLLM first finds no room (returns None), and asserts only when there is room.
-    let s = source(12);
-    let mut mgr = KVCacheManager::new(3, BS, false, Some(1024), false).unwrap();
-    mgr.set_tolerance(Tolerance::Vllm);
-    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(4))
-        .unwrap();
-    let external = SlotRequest {
-        num_external_computed_tokens: 4,
-        ..new_tokens(8)
-    };
-    // cdiv(4 + 4 + 8, 4) - 1 = 3 blocks wanted, 1 free.
-    assert_eq!(mgr.allocate_slots(&view("r", 4, &s), &external), Ok(None));
-    let small = SlotRequest {
-        num_external_computed_tokens: 1,
-        ..new_tokens(1)
-    };
-    assert!(matches!(
-        mgr.allocate_slots(&view("r", 2, &s), &small),
-        Err(Error::Assertion(_))
-    ));
 }
 
 #[test]
@@ -571,9 +448,9 @@ fn caching_past_the_table_with_events_fails_where_vllm_indexes() {
     // vLLM caches the blocks the table has, then indexes blocks[i] past its end while
     // building the BlockStored event: IndexError, no event, the count unchanged.
     let s = source(17);
-    let mut mgr = vllm_manager(8);
-    mgr.enable_kv_cache_events(false);
-    let delayed = SlotRequest {
+    let mut mgr = manager(8);
+    mgr.enable_kv_cache_events();
+    let delayed = HybridSlots {
         delay_cache_blocks: true,
         ..new_tokens(8)
     };
@@ -590,20 +467,23 @@ fn caching_past_the_table_with_events_fails_where_vllm_indexes() {
 fn truncating_a_lookup_is_vllms_aligned_slice() {
     // blocks[:n // 4]: n must be a multiple of 4 and n // 4 at most the hits; a negative
     // multiple counts from the end.
-    let mgr = vllm_manager(8);
-    assert_eq!(mgr.truncated_hits(3, 8), Ok(2));
-    assert_eq!(mgr.truncated_hits(3, -4), Ok(2));
-    assert_eq!(mgr.truncated_hits(3, -16), Ok(0));
-    assert!(matches!(mgr.truncated_hits(3, 6), Err(Error::Assertion(_))));
+    let mgr = manager(8);
+    assert_eq!(mgr.truncated_hits(&[3], 8), Ok(vec![2]));
+    assert_eq!(mgr.truncated_hits(&[3], -4), Ok(vec![2]));
+    assert_eq!(mgr.truncated_hits(&[3], -16), Ok(vec![0]));
     assert!(matches!(
-        mgr.truncated_hits(3, 16),
+        mgr.truncated_hits(&[3], 6),
+        Err(Error::Assertion(_))
+    ));
+    assert!(matches!(
+        mgr.truncated_hits(&[3], 16),
         Err(Error::Assertion(_))
     ));
 }
 
-/// A vLLM-tolerant manager under the rules of vLLM 0.31.
-fn older_release_manager(num_blocks: i64) -> KVCacheManager {
-    let mut mgr = vllm_manager(num_blocks);
+/// A manager under the rules of vLLM 0.31.
+fn older_release_manager(num_blocks: i64, enable_caching: bool) -> HybridManager {
+    let mut mgr = manager_with(num_blocks, enable_caching);
     mgr.set_release_rules(ReleaseRules::for_vllm((0, 31)));
     mgr
 }
@@ -613,13 +493,16 @@ fn before_0_33_caching_counts_blocks_past_the_hashes() {
     // 0.31/0.32: num_full_blocks = num_tokens // block_size, not capped by the hashes.
     // A request without blocks and 1 hash, cached to 9 tokens: 9 // 4 = 2 counted.
     let s = source(5);
-    let mut older = older_release_manager(8);
+    let mut older = older_release_manager(8, true);
     older.cache_blocks(&view("q", 0, &s), 9).unwrap();
-    assert_eq!(older.cached_block_counts().collect::<Vec<_>>(), [("q", 2)]);
+    assert_eq!(older.cached_block_counts(0).collect::<Vec<_>>(), [("q", 2)]);
     // 0.33: min(9, 1 * 4) // 4 = 1.
-    let mut newest = vllm_manager(8);
+    let mut newest = manager(8);
     newest.cache_blocks(&view("q", 0, &s), 9).unwrap();
-    assert_eq!(newest.cached_block_counts().collect::<Vec<_>>(), [("q", 1)]);
+    assert_eq!(
+        newest.cached_block_counts(0).collect::<Vec<_>>(),
+        [("q", 1)]
+    );
 }
 
 #[test]
@@ -627,12 +510,12 @@ fn before_0_33_a_table_block_without_a_hash_fails_after_those_before_it() {
     // 3 blocks held, 2 hashes (9 tokens): caching 12 tokens hashes blocks 0 and 1, then
     // vLLM 0.31 indexes block_hashes[2]: IndexError, the count not updated.
     let s = source(9);
-    let mut mgr = older_release_manager(8);
-    let delayed = SlotRequest {
+    let mut mgr = older_release_manager(8, true);
+    let delayed = HybridSlots {
         delay_cache_blocks: true,
         ..new_tokens(12)
     };
-    let table = mgr
+    let allocated = mgr
         .allocate_slots(&view("r", 0, &s), &delayed)
         .unwrap()
         .unwrap();
@@ -640,14 +523,14 @@ fn before_0_33_a_table_block_without_a_hash_fails_after_those_before_it() {
     assert!(matches!(err, Error::Index(_)), "{err:?}");
     let pool = mgr.block_pool();
     assert_eq!(
-        table
+        allocated[0]
             .iter()
             .map(|&b| pool.block_is_cached(b))
             .collect::<Vec<_>>(),
         [true, true, false]
     );
     assert_eq!(mgr.estimate_cached_tokens("r"), 8);
-    assert!(mgr.cached_block_counts().all(|(_, n)| n == 0));
+    assert!(mgr.cached_block_counts(0).all(|(_, n)| n == 0));
 }
 
 #[test]
@@ -655,38 +538,37 @@ fn common_prefix_blocks_are_those_every_table_holds() {
     // vLLM 0.31: leading blocks whose ref count is the number of tables. Two requests
     // share 2 blocks of prefix; the third block is each one's own.
     let s = source(12);
-    let mut mgr = older_release_manager(16);
+    let mut mgr = older_release_manager(16, true);
     mgr.allocate_slots(&view("a", 0, &s), &new_tokens(12))
         .unwrap();
-    let (hits, _) = mgr.get_computed_blocks(&view("b", 0, &s)).unwrap();
-    let hits: Vec<i64> = hits.iter().map(|&b| i64::from(b)).collect();
-    assert_eq!(hits.len(), 2);
-    let shared = SlotRequest {
-        new_computed_blocks: &hits,
+    let hit = mgr
+        .get_computed_blocks(&view("b", 0, &s).view, None)
+        .unwrap();
+    assert_eq!(hit.blocks[0].len(), 2);
+    let shared = HybridSlots {
+        new_computed_blocks: Some(&hit.blocks),
         num_new_computed_tokens: 8,
         ..new_tokens(4)
     };
     mgr.allocate_slots(&view("b", 0, &s), &shared).unwrap();
-    assert_eq!(mgr.num_common_prefix_blocks("a"), 2);
+    assert_eq!(mgr.num_common_prefix_blocks("a"), [2]);
     // Later releases answer 0, and make no table.
     let mut newest = mgr.clone();
     newest.set_release_rules(ReleaseRules::default());
-    assert_eq!(newest.num_common_prefix_blocks("a"), 0);
-    assert_eq!(newest.num_common_prefix_blocks("ghost"), 0);
-    assert_eq!(newest.num_requests(), 2);
+    assert_eq!(newest.num_common_prefix_blocks("a"), [0]);
+    assert_eq!(newest.num_common_prefix_blocks("ghost"), [0]);
+    assert_eq!(newest.request_ids(0).count(), 2);
     // An unknown request gets an empty table (vLLM's defaultdict): now nothing is
     // held by all three.
-    assert_eq!(mgr.num_common_prefix_blocks("ghost"), 0);
-    assert_eq!(mgr.num_requests(), 3);
-    assert_eq!(mgr.num_common_prefix_blocks("a"), 0);
+    assert_eq!(mgr.num_common_prefix_blocks("ghost"), [0]);
+    assert_eq!(mgr.request_ids(0).count(), 3);
+    assert_eq!(mgr.num_common_prefix_blocks("a"), [0]);
     // Without prefix caching, vLLM's coordinator counts nothing.
-    let mut uncached = KVCacheManager::new(16, BS, false, Some(1024), true).unwrap();
-    uncached.set_tolerance(Tolerance::Vllm);
-    uncached.set_release_rules(ReleaseRules::for_vllm((0, 31)));
+    let mut uncached = older_release_manager(16, false);
     uncached
         .allocate_slots(&view("a", 0, &s), &new_tokens(12))
         .unwrap();
-    assert_eq!(uncached.num_common_prefix_blocks("a"), 0);
-    assert_eq!(uncached.num_common_prefix_blocks("ghost"), 0);
-    assert_eq!(uncached.num_requests(), 1);
+    assert_eq!(uncached.num_common_prefix_blocks("a"), [0]);
+    assert_eq!(uncached.num_common_prefix_blocks("ghost"), [0]);
+    assert_eq!(uncached.request_ids(0).count(), 1);
 }
