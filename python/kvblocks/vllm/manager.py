@@ -15,8 +15,10 @@ from typing import Any, Protocol, overload
 
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    SlidingWindowSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -269,6 +271,27 @@ class CoordinatorCalls:
     def new_step_starts(self) -> None:
         """Nothing to do without Mamba groups."""
 
+    def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[Any]],
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks an allocation of ``num_tokens`` slots would take from the pool."""
+        return self._manager.num_blocks_to_allocate(  # type: ignore[no-any-return]
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
@@ -321,30 +344,54 @@ class KVCacheCoordinator(CoordinatorCalls):
         self.eagle_group_ids: set[int] = set()
         self.drop_eagle_group_ids: set[int] = set()
 
-    def get_num_blocks_to_allocate(  # noqa: PLR0917 (vLLM's signature)
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[Sequence[Any]],
-        num_encoder_tokens: int = 0,
-        total_computed_tokens: int = 0,
-        num_local_computed_tokens: int = 0,
-        num_tokens_main_model: int = 0,
-        apply_admission_cap: bool = False,
-        prefill_end: int = 0,
-    ) -> int:
-        """The blocks an allocation of ``num_tokens`` slots would take from the pool."""
-        return self._manager.num_blocks_to_allocate(  # type: ignore[no-any-return]
-            request_id,
-            num_tokens,
-            new_computed_blocks or [[]],
-            total_computed_tokens,
-            apply_admission_cap,
-        )
-
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """The manager's :meth:`KVCacheManager.get_num_common_prefix_blocks`."""
         return self._manager.get_num_common_prefix_blocks(running_request_id)
+
+
+#: One group for the native constructor: kind, block size, window, retained tokens,
+#: admission cap and lookup class.
+GroupRow = tuple[str, int, int | None, int, int | None, int]
+
+
+def group_rows(config: ManagerArgs) -> list[GroupRow]:
+    """The native constructor's ``groups``: per group its kind, block size, window,
+    retained tokens, admission cap (vLLM's spec method, the one source of that rule)
+    and lookup class (the first group with an equal spec: vLLM looks those up
+    jointly)."""
+    in_flight = config.max_in_flight_tokens
+    if in_flight is None:
+        in_flight = config.max_model_len
+    specs = [g.kv_cache_spec for g in config.kv_cache_config.kv_cache_groups]
+    rows: list[GroupRow] = []
+    for spec in specs:
+        lookup_class = next(
+            i for i, other in enumerate(specs) if type(other) is type(spec) and other == spec
+        )
+        if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+            cap: int | None = spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=in_flight, max_model_len=config.max_model_len
+            )
+        else:
+            cap = None
+        if isinstance(spec, SlidingWindowSpec):
+            rows.append(
+                (
+                    "sliding_window",
+                    spec.block_size,
+                    spec.sliding_window,
+                    spec.extra_retained_tokens,
+                    cap,
+                    lookup_class,
+                )
+            )
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            rows.append(
+                ("chunked_local", spec.block_size, spec.attention_chunk_size, 0, cap, lookup_class)
+            )
+        else:
+            rows.append(("full", spec.block_size, None, 0, None, lookup_class))
+    return rows
 
 
 def event_metadata(config: ManagerArgs) -> tuple[tuple[str, int | None], ...]:
@@ -354,6 +401,25 @@ def event_metadata(config: ManagerArgs) -> tuple[tuple[str, int | None], ...]:
         (spec_kind(g.kv_cache_spec), get_kv_cache_spec_sliding_window(g.kv_cache_spec))
         for g in config.kv_cache_config.kv_cache_groups
     )
+
+
+def native_arguments(config: ManagerArgs) -> dict[str, Any]:
+    """The native manager's constructor arguments for vLLM's."""
+    return {
+        "num_blocks": config.kv_cache_config.num_blocks,
+        "scheduler_block_size": config.scheduler_block_size,
+        "hash_block_size": config.hash_block_size,
+        "max_model_len": config.max_model_len,
+        "groups": group_rows(config),
+        "enable_caching": config.enable_caching,
+        "retention_interval": config.kv_cache_config.prefix_cache_retention_interval,
+        "enable_kv_cache_events": config.enable_kv_cache_events,
+        "watermark": config.watermark,
+        "admission_statuses": list(ADMISSION_STATUSES),
+        "event_structs": vllm_events,
+        "event_metadata": list(event_metadata(config)),
+        "vllm_series": installed_differences().series,
+    }
 
 
 class ManagerSurface:
@@ -379,6 +445,13 @@ class ManagerSurface:
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.kv_cache_event_metadata = event_metadata(config)
+        self._vllm_block_pool = BlockPool(
+            self,  # type: ignore[arg-type]
+            self.native_pool,  # type: ignore[attr-defined]
+            enable_caching=config.enable_caching,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            block_size=config.hash_block_size,
+        )
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
         """Whether a local prefix-cache lookup may run for this request."""
@@ -481,32 +554,11 @@ class KVCacheManager(ManagerSurface, VllmKVCacheManager):
             )
         if reason is not None:
             raise ValueError(f"kvblocks' KVCacheManager does not support {reason}")
-        return super().__new__(  # type: ignore[no-any-return]
-            cls,
-            config.kv_cache_config.num_blocks,
-            config.scheduler_block_size,
-            config.hash_block_size,
-            config.max_model_len,
-            [("full", config.scheduler_block_size, None, 0, None, 0)],
-            enable_caching=config.enable_caching,
-            enable_kv_cache_events=config.enable_kv_cache_events,
-            watermark=config.watermark,
-            admission_statuses=list(ADMISSION_STATUSES),
-            event_structs=vllm_events,
-            event_metadata=list(event_metadata(config)),
-            vllm_series=installed_differences().series,
-        )
+        return super().__new__(cls, **native_arguments(config))  # type: ignore[no-any-return]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = ManagerArgs(*args, **kwargs)
         self._set_vllm_attributes(config)
-        self._vllm_block_pool = BlockPool(
-            self,
-            self.native_pool,
-            enable_caching=config.enable_caching,
-            enable_kv_cache_events=config.enable_kv_cache_events,
-            block_size=config.scheduler_block_size,
-        )
         self.coordinator = KVCacheCoordinator(self, config.kv_cache_config, self._vllm_block_pool)
 
 

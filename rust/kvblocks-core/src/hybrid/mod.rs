@@ -24,7 +24,7 @@
 
 mod attention;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::FxBuildHasher;
 
 pub use attention::Attention;
 use attention::{cdiv, floor_div, index, signed};
@@ -215,6 +215,9 @@ fn slice_end(end: i64, len: usize) -> usize {
     usize::try_from(end.clamp(0, len_signed)).unwrap_or(0)
 }
 
+/// Each known request's tables, one per group, by request id.
+type Requests = hashbrown::HashMap<String, Vec<GroupTable>, FxBuildHasher>;
+
 /// One group's state of a request (vLLM's `req_to_blocks` and `num_cached_block`
 /// entries of that group's manager).
 #[derive(Debug, Clone, Default)]
@@ -253,7 +256,7 @@ pub struct HybridManager {
     retention_interval: Option<i64>,
     watermark_blocks: usize,
     release_rules: ReleaseRules,
-    requests: FxHashMap<String, Vec<GroupTable>>,
+    requests: Requests,
 }
 
 impl HybridManager {
@@ -327,7 +330,7 @@ impl HybridManager {
             retention_interval: config.retention_interval,
             watermark_blocks: 0,
             release_rules: ReleaseRules::default(),
-            requests: FxHashMap::default(),
+            requests: Requests::default(),
         })
     }
 
@@ -1221,20 +1224,14 @@ impl<H: HashSource + ?Sized> HashSource for HashView<'_, H> {
 /// The request's per-group state, created empty if unknown (vLLM's managers create
 /// their entries on first use).
 fn tables_of<'a>(
-    requests: &'a mut FxHashMap<String, Vec<GroupTable>>,
+    requests: &'a mut Requests,
     request_id: &str,
     num_groups: usize,
 ) -> &'a mut Vec<GroupTable> {
-    // Look up before inserting, so a running request's step allocates no key string.
-    if !requests.contains_key(request_id) {
-        requests.insert(
-            request_id.to_owned(),
-            vec![GroupTable::default(); num_groups],
-        );
-    }
+    // One lookup; the key string is made only for a new request.
     requests
-        .get_mut(request_id)
-        .unwrap_or_else(|| unreachable!("inserted above"))
+        .entry_ref(request_id)
+        .or_insert_with(|| vec![GroupTable::default(); num_groups])
 }
 
 /// A group index as vLLM's group id.
