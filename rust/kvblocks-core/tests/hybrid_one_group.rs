@@ -284,6 +284,16 @@ fn lookups_are_bounded() {
     );
     let capped = mgr.get_computed_blocks(&r1.view, Some(9)).unwrap();
     assert_eq!((capped.blocks, capped.hit_tokens), (vec![vec![1, 2]], 8));
+    // vLLM's islice refuses a negative bound (its ValueError), as for a request
+    // without tokens, whose bound is -1.
+    let empty = source(0);
+    for (request, bound) in [(&r1, Some(-1)), (&view("e", 0, &empty), None)] {
+        let err = mgr.get_computed_blocks(&request.view, bound).unwrap_err();
+        assert!(
+            err.to_string().starts_with("Stop argument for islice()"),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -441,6 +451,30 @@ fn vllm_slices_follow_pythons_arithmetic() {
             "{tokens}"
         );
     }
+}
+
+#[test]
+fn vllm_asserts_against_adopting_only_after_its_capacity_checks() {
+    // Caching off, so r holds blocks without a cached count. External tokens for it:
+    // vLLM first finds no room (returns None), and asserts only when there is room.
+    let s = source(12);
+    let mut mgr = manager_with(3, false);
+    mgr.allocate_slots(&view("r", 0, &s), &new_tokens(4))
+        .unwrap();
+    let external = HybridSlots {
+        num_external_computed_tokens: 4,
+        ..new_tokens(8)
+    };
+    // cdiv(4 + 4 + 8, 4) - 1 = 3 blocks wanted, 1 free.
+    assert_eq!(mgr.allocate_slots(&view("r", 4, &s), &external), Ok(None));
+    let small = HybridSlots {
+        num_external_computed_tokens: 1,
+        ..new_tokens(1)
+    };
+    assert!(matches!(
+        mgr.allocate_slots(&view("r", 2, &s), &small),
+        Err(Error::Assertion(_))
+    ));
 }
 
 #[test]
