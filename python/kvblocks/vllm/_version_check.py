@@ -23,7 +23,7 @@ INSTALL_HINT = (
 class ReleaseDifferences:
     """What the installed vLLM series does differently from the newest, where it shows
     in the manager kvblocks puts under vLLM's Scheduler. The manager's own rules are the
-    core's, chosen by :attr:`series` (``ReleaseRules`` in ``manager.rs``); what stays
+    core's, chosen by :attr:`series` (``ReleaseRules`` in ``hybrid/mod.rs``); what stays
     here decides which layouts kvblocks manages at all."""
 
     #: The series, ``(0, 31)`` for vLLM 0.31.x.

@@ -1,7 +1,9 @@
-//! vLLM 0.33.0's `KVCacheManager` over several KV cache groups (full, sliding-window
-//! and chunked-local attention), or one local-attention group: its coordinators
+//! vLLM's `KVCacheManager` for vLLM's scheduler, over every layout kvblocks manages:
+//! one full-attention group, several groups (full, sliding-window and chunked-local
+//! attention), or one local-attention group. It runs vLLM 0.33.0's coordinators
 //! (`KVCacheCoordinatorNoPrefixCache`, `UnitaryKVCacheCoordinator`,
-//! `HybridKVCacheCoordinator`) and single-type managers, for vLLM's scheduler.
+//! `HybridKVCacheCoordinator`) and single-type managers, with the [`ReleaseRules`] of
+//! 0.31 and 0.32 where one full-attention group behaves differently there.
 //!
 //! One pool serves every group. A request has one table per group; a local-attention
 //! table holds the null block where blocks left the window. Groups may have different
@@ -180,29 +182,6 @@ fn watermark_blocks(watermark: f64, num_blocks: u32) -> Result<usize> {
     Ok((watermark * f64::from(num_blocks)) as usize)
 }
 
-/// vLLM's `block_pool.evict_blocks`: it evicts in the given order and stops at the
-/// first id it refuses, the ones before it evicted. An id past the pool fails its
-/// assert, and a negative one counts from the end.
-///
-/// # Errors
-/// [`Error::Assertion`] for an id of `num_blocks` or more; [`Error::UnknownBlock`] for
-/// one below `-num_blocks`.
-fn evict_as_vllm(pool: &mut BlockPool, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
-    let n = i64::from(pool.num_blocks());
-    let mut removed = Vec::new();
-    for &id in block_ids {
-        if id >= n {
-            return Err(Error::Assertion(format!(
-                "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
-                 workers should only report block IDs that were allocated by the scheduler."
-            )));
-        }
-        let id = if id < 0 { id.saturating_add(n) } else { id };
-        removed.extend(pool.evict_blocks(&[id])?);
-    }
-    Ok(removed)
-}
-
 /// Where Python's `items[:end]` ends in a list of `len` items: a negative `end` counts
 /// from the end.
 fn slice_end(end: i64, len: usize) -> usize {
@@ -242,7 +221,7 @@ impl GroupTable {
     }
 }
 
-/// vLLM 0.33.0's `KVCacheManager` with a coordinator over several groups.
+/// vLLM's `KVCacheManager` with its coordinator over the layout's groups.
 #[derive(Debug, Clone)]
 pub struct HybridManager {
     pool: BlockPool,
@@ -342,7 +321,8 @@ impl HybridManager {
     /// Keeps `int(watermark * num_blocks)` blocks free for admissions (vLLM's).
     ///
     /// # Errors
-    /// As [`crate::manager::KVCacheManager::set_watermark`] under vLLM's tolerance.
+    /// [`Error::Assertion`] for a negative or NaN fraction, [`Error::Overflow`] for an
+    /// infinite one (vLLM's assert and `int(inf)`).
     pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
         self.watermark_blocks = watermark_blocks(watermark, self.pool.num_blocks())?;
         Ok(())
@@ -1153,12 +1133,27 @@ impl HybridManager {
             .filter_map(move |(id, t)| t.get(gid)?.num_cached.map(|n| (id.as_str(), n)))
     }
 
-    /// [`crate::manager::KVCacheManager::evict_blocks`] under vLLM's tolerance.
+    /// vLLM's `block_pool.evict_blocks`: it evicts in the given order and stops at the
+    /// first id it refuses, the ones before it evicted. An id past the pool fails its
+    /// assert, and a negative one counts from the end.
     ///
     /// # Errors
-    /// As that method.
+    /// [`Error::Assertion`] for an id of `num_blocks` or more; [`Error::UnknownBlock`] for
+    /// one below `-num_blocks`.
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<Vec<(BlockHash, u32)>> {
-        evict_as_vllm(&mut self.pool, block_ids)
+        let n = i64::from(self.pool.num_blocks());
+        let mut removed = Vec::new();
+        for &id in block_ids {
+            if id >= n {
+                return Err(Error::Assertion(format!(
+                    "Invalid block_id {id} >= {n}. This indicates a bug in the KV connector - \
+                     workers should only report block IDs that were allocated by the scheduler."
+                )));
+            }
+            let id = if id < 0 { id.saturating_add(n) } else { id };
+            removed.extend(self.pool.evict_blocks(&[id])?);
+        }
+        Ok(removed)
     }
 
     /// Empties the prefix cache if no block is in use.
