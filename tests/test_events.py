@@ -514,18 +514,7 @@ def vllm_adapter_manager(**kwargs: Any) -> Any:
         admission_statuses=[0],
         **kwargs,
     )
-    hashed = _native.Request("r", list(range(8)), block_hasher=_native.BlockHasher(4))
-    # What the manager reads of vLLM's Request.
-    request = SimpleNamespace(
-        request_id="r",
-        num_tokens=8,
-        num_computed_tokens=0,
-        block_hashes=hashed.block_hashes,
-        all_token_ids=hashed.all_token_ids,
-        num_prompt_tokens=8,
-        num_in_flight_tokens=0,
-        shared_prefix_boundary=0,
-    )
+    request = _native.Request("r", list(range(8)), block_hasher=_native.BlockHasher(4))
     assert manager.allocate_slots(request, 8) is not None
     return manager
 

@@ -70,8 +70,6 @@ pub struct PyVllmManager {
     empty: Py<PyKVCacheBlocks>,
     /// The `block_pool` view, made on first access.
     pool_view: OnceLock<Py<PyBlockPool>>,
-    /// The core's [`HybridManager::uses_layout_fields`].
-    uses_layout_fields: bool,
 }
 
 impl PoolHost for PyVllmManager {
@@ -110,7 +108,7 @@ impl PyVllmManager {
         let py = slf.py();
         let req = VllmRequest::read(request)?;
         // Layouts of full-attention groups alone use none of these: not read then.
-        let layout = slf.try_borrow()?.uses_layout_fields;
+        let layout = slf.try_borrow()?.inner.uses_layout_fields();
         let field = |name, wanted: bool| {
             if wanted && layout {
                 request_attr(request, name)
@@ -300,7 +298,6 @@ impl PyVllmManager {
             py,
             PyKVCacheBlocks::grouped(vec![&[][..]; num_groups], None),
         )?;
-        let uses_layout_fields = inner.uses_layout_fields();
         Ok(Self {
             inner,
             events,
@@ -308,7 +305,6 @@ impl PyVllmManager {
             admission_statuses: int_column(admission_statuses)?.into_vec(),
             empty,
             pool_view: OnceLock::new(),
-            uses_layout_fields,
         })
     }
 
