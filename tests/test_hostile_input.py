@@ -9,12 +9,13 @@ process, so a regression is a reported failure with its reproducer, not a dead r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
@@ -525,6 +526,34 @@ def test_a_non_str_request_id_is_named_in_every_call(backend: ModuleType, call: 
     name, run = NON_STR_ID_CALLS[call]
     with pytest.raises(TypeError, match=rf"^{name} must be a str, got int$"):
         run(backend)
+
+
+BAD_FIELDS: list[tuple[str, object, type[Exception], str]] = [
+    ("num_tokens", 1.5, TypeError, "'float' object cannot be interpreted as an integer"),
+    ("num_computed_tokens", 2**70, OverflowError, ""),
+    ("block_hashes", 5, TypeError, "must be a sequence, got int"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "error", "message"), BAD_FIELDS)
+def test_a_bad_request_field_is_named(
+    backend: ModuleType, field: str, value: object, error: type[Exception], message: str
+) -> None:
+    """One reader, one error style: every call names the field it could not convert."""
+    manager = backend.KVCacheManager(8, 4)
+    request = SimpleNamespace(request_id="r", num_tokens=4, num_computed_tokens=0, block_hashes=[])
+    setattr(request, field, value)
+    expected = f"^request\\.{field}: {re.escape(message)}"
+    with pytest.raises(error, match=expected):
+        manager.allocate_slots(request, 4)
+    with pytest.raises(error, match=expected):
+        manager.get_computed_blocks(request)
+    if field == "num_computed_tokens":
+        with pytest.raises(error, match=expected):
+            backend.update_requests_with_invalid_blocks(manager, [request], [1], {})
+        with pytest.raises(error, match=expected):
+            backend.handle_failed_recving(["r"], [request])
+    assert manager.block_pool.get_num_free_blocks() == 7, "a refused call changes nothing"
 
 
 def test_a_hash_with_hostile_dunders_is_cached_by_content(backend: ModuleType) -> None:

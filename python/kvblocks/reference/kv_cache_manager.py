@@ -27,17 +27,15 @@ from kvblocks.reference.borrow import reads, unguarded, writes
 from kvblocks.reference.hashing import extras_attrs, read_extras
 from kvblocks.reference.kv_cache_utils import (
     PrefixCacheStats,
-    check_block_hash,
     check_block_ids,
     check_non_negative,
     check_num_full_blocks,
     check_positive,
-    to_block_hash,
-    to_block_hashes,
     to_int,
     to_int_list,
     to_request_id,
 )
+from kvblocks.reference.request_fields import ID, MANAGER, RequestFields, read_request
 
 if TYPE_CHECKING:
     from kvblocks.events import BlockStored, KVCacheEvent
@@ -78,59 +76,11 @@ class RequestLike(Protocol):
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class RequestView:
-    """What a manager call reads of a request: each attribute once, in this order.
-
-    ``block_hashes`` is read as a sequence (``len()`` once, then items by index, only
-    those the call needs), as the native backend reads it.
-    """
-
-    request: RequestLike
-    request_id: str
-    num_tokens: int
-    num_computed_tokens: int
-    block_hashes: Sequence[object]
-    num_block_hashes: int
-
-    @classmethod
-    def read(cls, request: RequestLike) -> RequestView:
-        """Reads ``request_id``, ``num_tokens``, ``num_computed_tokens``, ``block_hashes``.
-
-        Raises:
-            TypeError: an id that is not a ``str``, a count that is not an int, or
-                ``block_hashes`` that is not a sequence.
-            OverflowError: a count beyond 64 bits.
-        """
-        request_id = to_request_id(request.request_id)
-        num_tokens = to_int(request.num_tokens)
-        num_computed_tokens = to_int(request.num_computed_tokens)
-        block_hashes = request.block_hashes
-        if not isinstance(block_hashes, Sequence):
-            raise TypeError(
-                f"request.block_hashes must be a sequence, got {type(block_hashes).__name__}"
-            )
-        return cls(
-            request, request_id, num_tokens, num_computed_tokens, block_hashes, len(block_hashes)
-        )
-
-    def hashes(self, start: int, stop: int) -> list[bytes]:
-        """Hashes ``start .. stop - 1`` (clipped to the length read), checked as a batch."""
-        stop = min(stop, self.num_block_hashes)
-        return to_block_hashes([self.block_hashes[i] for i in range(start, stop)])
-
-    def hash(self, i: int) -> bytes:
-        """Hash ``i``, checked."""
-        block_hash = to_block_hash(self.block_hashes[i])
-        check_block_hash(block_hash)
-        return block_hash
-
-
-@dataclasses.dataclass(slots=True, frozen=True)
 class _AllocateSlotsArgs:
     """The arguments of one ``allocate_slots`` call, read and checked, and what the
     request holds: its table, whether it is known, whether it adopts hits now."""
 
-    view: RequestView
+    view: RequestFields
     num_new_tokens: int
     num_new_computed_tokens: int
     hits: list[int]
@@ -284,7 +234,7 @@ class KVCacheManager:
             ValueError: ``num_tokens must be non-negative, got {v}``, or a hash is longer
                 than 32 bytes.
         """
-        view = RequestView.read(request)
+        view = read_request(request, MANAGER)
         check_non_negative("num_tokens", view.num_tokens)
         if not self._enable_caching:
             return [], 0
@@ -426,7 +376,7 @@ class KVCacheManager:
         num_external_computed_tokens = to_int(num_external_computed_tokens)
         delay_cache_blocks = bool(delay_cache_blocks)
         hits = [] if new_computed_blocks is None else to_int_list(new_computed_blocks)
-        view = RequestView.read(request)
+        view = read_request(request, MANAGER)
         request_id = view.request_id
         num_tokens = view.num_tokens
         num_computed_tokens = view.num_computed_tokens
@@ -488,7 +438,7 @@ class KVCacheManager:
             BlockStateError: a block to cache already has a hash.
         """
         num_computed_tokens = to_int(num_computed_tokens)
-        view = RequestView.read(request)
+        view = read_request(request, MANAGER)
         check_non_negative("num_computed_tokens", num_computed_tokens)
         if not self._enable_caching:
             return
@@ -510,7 +460,7 @@ class KVCacheManager:
         Freeing tail first puts the tail of a cached chain ahead of its parents in the
         eviction order. An unknown request is a no-op.
         """
-        request_id = to_request_id(request.request_id)
+        request_id = read_request(request, ID).request_id
         blocks = self._req_to_blocks.get(request_id, [])
         self._pool.free_blocks(reversed(blocks))
         self._req_to_blocks.pop(request_id, None)
@@ -590,7 +540,7 @@ class KVCacheManager:
     ) -> tuple[int, int]:
         """``(request.num_tokens, num_hits)``, both non-negative, the hits within the tokens."""
         num_hits = to_int(num_hits)
-        num_tokens = RequestView.read(request).num_tokens
+        num_tokens = read_request(request, MANAGER).num_tokens
         check_non_negative("num_tokens", num_tokens)
         check_non_negative("num_hits", num_hits)
         if num_hits > num_tokens:
@@ -615,7 +565,7 @@ class KVCacheManager:
 
     def _plan_caching(
         self,
-        view: RequestView,
+        view: RequestFields,
         req_blocks: list[int],
         num_cached: int,
         num_tokens: int,
@@ -661,7 +611,7 @@ class KVCacheManager:
         return num_cached, num_full, hashes, event
 
     def _block_stored_event(
-        self, view: RequestView, hashes: list[bytes], num_cached: int, num_full: int
+        self, view: RequestFields, hashes: list[bytes], num_cached: int, num_full: int
     ) -> BlockStored:
         """The ``BlockStored`` of caching blocks ``num_cached .. num_full - 1`` (as vLLM's
         ``BlockPool.cache_full_blocks`` builds it), built before anything changes.

@@ -51,6 +51,7 @@ from kvblocks.reference.kv_cache_utils import (
     to_uint,
     to_unsigned_list,
 )
+from kvblocks.reference.request_fields import ID, PROGRESS, int_field, read_request
 
 __all__ = [
     "BlockTableSource",
@@ -441,11 +442,11 @@ def _read_failed_recving(
     reported = [to_request_id(i, "failed_req_ids item") for i in materialise(failed_req_ids)]
     failed = set(reported)
     waiting = list(materialise(waiting_for_remote_kvs))
-    ids = [to_request_id(request.request_id) for request in waiting]
+    ids = [read_request(request, ID).request_id for request in waiting]
     _check_unique(ids)
     # Token counts are read from the matched requests only.
     matched = [request for request, i in zip(waiting, ids, strict=True) if i in failed]
-    lost = [to_int(request.num_computed_tokens) for request in matched]
+    lost = [int_field(request, "num_computed_tokens") for request in matched]
     for value in lost:
         check_non_negative("num_computed_tokens", value)
     # In the order they were reported, as vLLM's `_handle_failed_recving` adds them.
@@ -507,8 +508,9 @@ class _Pass:
         computed: list[int] = []
         scheduled: list[int] = []
         for request in batch:
-            request_id = to_request_id(request.request_id)
-            computed.append(to_int(request.num_computed_tokens))
+            fields = read_request(request, PROGRESS)
+            request_id = fields.request_id
+            computed.append(fields.num_computed_tokens)
             if isinstance(num_scheduled_tokens, dict):
                 entry = dict.get(num_scheduled_tokens, request_id, 0)
             else:

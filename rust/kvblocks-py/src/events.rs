@@ -4,8 +4,8 @@
 //! with the hash form (int or bytes) chosen when the manager was created.
 //!
 //! While the manager caches a request's blocks, the core asks for their token ids
-//! through [`RequestTokens`], which reads them from a native `Request` in place or
-//! from `request.all_token_ids`, and at the same point (before anything changes) reads
+//! through [`RequestTokens`], which reads them (`crate::request_fields::token_slice`),
+//! and at the same point (before anything changes) reads
 //! the request's extras (`crate::extra_keys::read_extras`); the core derives the
 //! blocks' event keys from them. A request with any gets its `LoRA` fields and keys
 //! kept beside the core's record, as Python objects, until the events are taken.
@@ -22,15 +22,14 @@ use kvblocks_core::BlockHash;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySlice, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use crate::convert::int_column;
 use crate::errors::{IntoPyResult, StashedError};
 use crate::extra_keys::{
     attr_or_none, read_extras, value_to_py, ExtrasAttrs, Identities, KeyedBlocks,
 };
 use crate::imports::{ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, USE_INT_BLOCK_HASHES};
-use crate::request::PyRequest;
+use crate::request_fields::{token_slice, HashCache, RequestFields};
 
 /// `kv_cache_spec_kind` of the manager's one group.
 const FULL_ATTENTION: &str = "full_attention";
@@ -289,9 +288,28 @@ fn ix(group: u32) -> usize {
     usize::try_from(group).unwrap_or(usize::MAX)
 }
 
+/// Runs `f` on `manager` with a view of `request` (read as `fields`, its hashes through
+/// `cache` when given). With events on, the request's tokens and extras are read as the
+/// core plans each `BlockStored`, and its request fields are attached to the records
+/// after.
+pub(crate) fn with_request<M: EventSource, T>(
+    manager: &mut M,
+    request: &Bound<'_, PyAny>,
+    fields: &RequestFields<'_>,
+    cache: Option<&mut HashCache>,
+    f: impl FnOnce(&mut M, &RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
+) -> PyResult<T> {
+    let (state, log) = manager.event_parts();
+    let tokens = RequestTokens::new(state.as_deref(), request);
+    let before = log.len();
+    let result = fields.view(cache, |view| tokens.run(view, |view| f(manager, view)));
+    let (state, log) = manager.event_parts();
+    tokens.finish(result, state, log, before)
+}
+
 /// A request's token ids (and `BlockStored` request fields) for the core, collected
 /// while it plans a caching step. Inert when events are off.
-pub struct RequestTokens<'py> {
+struct RequestTokens<'py> {
     /// The request, or `None` when events are off.
     request: Option<Bound<'py, PyAny>>,
     /// A Python error met while reading, re-raised in place of the core's error.
@@ -303,7 +321,7 @@ pub struct RequestTokens<'py> {
 
 impl<'py> RequestTokens<'py> {
     /// Tokens of `request` when `state` says events are on.
-    pub fn new(state: Option<&EventState>, request: &Bound<'py, PyAny>) -> Self {
+    fn new(state: Option<&EventState>, request: &Bound<'py, PyAny>) -> Self {
         Self {
             request: state.map(|_| request.clone()),
             error: StashedError::default(),
@@ -312,7 +330,7 @@ impl<'py> RequestTokens<'py> {
     }
 
     /// Runs `f` on `view`, with this token source attached to it when events are on.
-    pub fn run<T>(
+    fn run<T>(
         &self,
         view: &RequestView<'_, dyn HashSource + '_>,
         f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
@@ -333,7 +351,7 @@ impl<'py> RequestTokens<'py> {
     /// The call's result, with a Python error of ours in place of the core's error,
     /// and, on success, the planned request fields attached to the `BlockStored` the
     /// call recorded (among the records from index `before` on).
-    pub fn finish<T>(
+    fn finish<T>(
         &self,
         result: PyResult<T>,
         state: Option<&mut EventState>,
@@ -370,32 +388,10 @@ impl<'py> RequestTokens<'py> {
         block_size: usize,
         out: &mut Vec<i64>,
     ) -> PyResult<()> {
-        let py = request.py();
         let first_block = range.start / block_size.max(1);
         let num_blocks = range.len() / block_size.max(1);
-        let attrs = if let Ok(native) = request.cast::<PyRequest>() {
-            let native = native.try_borrow()?;
-            let view = native.hash_view(py);
-            let end = range.end.min(view.tokens.len());
-            out.extend_from_slice(
-                view.tokens
-                    .get(range.start.min(end)..end)
-                    .unwrap_or_default(),
-            );
-            view.attrs
-        } else {
-            let slice = PySlice::new(
-                py,
-                isize::try_from(range.start).unwrap_or(isize::MAX),
-                isize::try_from(range.end).unwrap_or(isize::MAX),
-                1,
-            );
-            let tokens = request
-                .getattr(intern!(py, "all_token_ids"))?
-                .get_item(slice)?;
-            out.extend_from_slice(&int_column(&tokens)?);
-            ExtrasAttrs::of(request)?
-        };
+        out.extend_from_slice(&token_slice(request, range)?);
+        let attrs = ExtrasAttrs::of(request)?;
         let blocks = KeyedBlocks {
             start: first_block * block_size,
             num_blocks,

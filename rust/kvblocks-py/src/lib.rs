@@ -12,6 +12,7 @@ mod imports;
 mod manager;
 mod pool;
 mod request;
+mod request_fields;
 mod rollback;
 mod vllm;
 

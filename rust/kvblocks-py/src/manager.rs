@@ -5,167 +5,19 @@
 // `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
-use std::ops::Range;
 use std::sync::OnceLock;
 
 use kvblocks_core::events::EventLog;
 use kvblocks_core::manager::{KVCacheManager as CoreManager, PrefixCacheStats, SlotRequest};
-use kvblocks_core::request::{HashSource, RequestView};
-use kvblocks_core::BlockHash;
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PySequence, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{self, int_column, request_id_of, BoolField, Flag, HashSeq};
-use crate::errors::{IntoPyResult, StashedError};
-use crate::events::{take_events, EventSource, EventState, RequestTokens};
+use crate::convert::{self, int_column, BoolField, Flag};
+use crate::errors::IntoPyResult;
+use crate::events::{take_events, with_request, EventSource, EventState};
 use crate::pool::{pool_view, PoolHost, PyBlockPool};
-use crate::request::PyRequest;
-
-/// A duck-typed request's `block_hashes`, converted lazily: the manager asks only for
-/// the ranges a call needs. A Python error met while converting is kept and re-raised
-/// as it was, after the core call returned (having changed nothing).
-pub(crate) struct PyHashes<'py> {
-    seq: HashSeq<'py>,
-    len: usize,
-    error: StashedError,
-}
-
-impl<'py> PyHashes<'py> {
-    fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
-        Self::of(
-            request
-                .getattr(intern!(request.py(), "block_hashes"))?
-                .cast_into::<PySequence>()?,
-        )
-    }
-
-    /// The hashes of `seq` (a request's `block_hashes`).
-    pub(crate) fn of(seq: Bound<'py, PySequence>) -> PyResult<Self> {
-        let seq = HashSeq::new(seq);
-        let len = seq.len()?;
-        Ok(Self {
-            seq,
-            len,
-            error: StashedError::default(),
-        })
-    }
-
-    /// Item `i` itself, unconverted (`None` past the end).
-    pub(crate) fn item(&self, i: usize) -> PyResult<Option<Bound<'py, PyAny>>> {
-        if i >= self.len {
-            return Ok(None);
-        }
-        self.seq.item(i).map(Some)
-    }
-
-    /// Keeps `err` to be raised by [`Self::finish`]; the core's placeholder error.
-    pub(crate) fn keep(&self, err: PyErr) -> kvblocks_core::Error {
-        self.error.keep(err, "block hash conversion")
-    }
-
-    /// The core result, or the Python error the conversion hit.
-    pub(crate) fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
-        self.error.finish(result)
-    }
-}
-
-impl HashSource for PyHashes<'_> {
-    fn num_hashes(&self) -> usize {
-        self.len
-    }
-
-    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
-        self.seq
-            .extend_range(range, out)
-            .map_err(|err| self.keep(err))
-    }
-
-    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
-        self.seq.get(i).map_err(|err| self.keep(err))
-    }
-}
-
-/// A native request's hashes, already converted.
-struct SliceHashes<'a>(&'a [BlockHash]);
-
-impl HashSource for SliceHashes<'_> {
-    fn num_hashes(&self) -> usize {
-        self.0.num_hashes()
-    }
-
-    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
-        self.0.hashes(range, out)
-    }
-
-    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
-        self.0.hash(i)
-    }
-}
-
-/// What the manager reads of a request: a native `Request` is read in place, any other
-/// object through `request_id`, `num_tokens`, `num_computed_tokens` and `block_hashes`.
-enum RequestArg<'py> {
-    Native(PyRef<'py, PyRequest>),
-    Duck {
-        request_id: String,
-        num_tokens: i64,
-        num_computed_tokens: i64,
-        hashes: PyHashes<'py>,
-    },
-}
-
-impl<'py> RequestArg<'py> {
-    fn new(request: &Bound<'py, PyAny>) -> PyResult<Self> {
-        if let Ok(native) = request.cast::<PyRequest>() {
-            return Ok(Self::Native(native.try_borrow()?));
-        }
-        Ok(Self::Duck {
-            request_id: request_id_of(request)?.to_string(),
-            num_tokens: request
-                .getattr(intern!(request.py(), "num_tokens"))?
-                .extract()?,
-            num_computed_tokens: request
-                .getattr(intern!(request.py(), "num_computed_tokens"))?
-                .extract()?,
-            hashes: PyHashes::new(request)?,
-        })
-    }
-
-    /// Runs `f` on the request's view and maps its result (or a conversion error).
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
-    ) -> PyResult<T> {
-        match self {
-            Self::Native(r) => {
-                let hashes = SliceHashes(r.block_hashes());
-                f(&RequestView {
-                    request_id: r.request_id(),
-                    num_tokens: r.num_tokens(),
-                    num_computed_tokens: r.num_computed_tokens(),
-                    block_hashes: &hashes as &dyn HashSource,
-                })
-                .py()
-            }
-            Self::Duck {
-                request_id,
-                num_tokens,
-                num_computed_tokens,
-                hashes,
-            } => {
-                let view = RequestView {
-                    request_id,
-                    num_tokens: *num_tokens,
-                    num_computed_tokens: *num_computed_tokens,
-                    block_hashes: hashes as &dyn HashSource,
-                };
-                hashes.finish(f(&view))
-            }
-        }
-    }
-}
+use crate::request_fields::{FieldSet, RequestFields};
 
 #[doc = docstring!(PrefixCacheStats)]
 #[pyclass(
@@ -353,7 +205,8 @@ impl PyKVCacheManager {
     #[doc = docstring!(KVCacheManager.get_computed_blocks)]
     #[pyo3(text_signature = None)]
     fn get_computed_blocks(&self, request: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
-        RequestArg::new(request)?.with(|view| self.inner.get_computed_blocks(view))
+        RequestFields::read(request, FieldSet::MANAGER)?
+            .view(None, |view| self.inner.get_computed_blocks(view))
     }
 
     #[doc = docstring!(KVCacheManager.allocate_slots)]
@@ -389,21 +242,17 @@ impl PyKVCacheManager {
             num_external_computed_tokens,
             delay_cache_blocks: delay_cache_blocks.0,
         };
-        let tokens = RequestTokens::new(self.events.as_ref(), request);
-        let before = self.inner.events().len();
-        let result = RequestArg::new(request)?
-            .with(|view| tokens.run(view, |view| self.inner.allocate_slots(view, &slots)));
-        tokens.finish(result, self.events.as_mut(), self.inner.events(), before)
+        let fields = RequestFields::read(request, FieldSet::MANAGER)?;
+        with_request(self, request, &fields, None, |this, view| {
+            this.inner.allocate_slots(view, &slots)
+        })
     }
 
     #[doc = docstring!(KVCacheManager.free)]
     #[pyo3(text_signature = None)]
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let request_id = match request.cast::<PyRequest>() {
-            Ok(native) => native.try_borrow()?.request_id().to_owned(),
-            Err(_) => request_id_of(request)?.to_string(),
-        };
-        self.inner.free(&request_id).py()
+        let fields = RequestFields::read(request, FieldSet::ID)?;
+        self.inner.free(&fields.request_id).py()
     }
 
     #[doc = docstring!(KVCacheManager.cache_blocks)]
@@ -413,14 +262,10 @@ impl PyKVCacheManager {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        let tokens = RequestTokens::new(self.events.as_ref(), request);
-        let before = self.inner.events().len();
-        let result = RequestArg::new(request)?.with(|view| {
-            tokens.run(view, |view| {
-                self.inner.cache_blocks(view, num_computed_tokens)
-            })
-        });
-        tokens.finish(result, self.events.as_mut(), self.inner.events(), before)
+        let fields = RequestFields::read(request, FieldSet::MANAGER)?;
+        with_request(self, request, &fields, None, |this, view| {
+            this.inner.cache_blocks(view, num_computed_tokens)
+        })
     }
 
     #[doc = docstring!(KVCacheManager.get_block_ids)]
@@ -463,7 +308,9 @@ impl PyKVCacheManager {
         request: &Bound<'_, PyAny>,
         num_hits: i64,
     ) -> PyResult<()> {
-        RequestArg::new(request)?.with(|view| self.inner.record_prefix_cache_stats(view, num_hits))
+        RequestFields::read(request, FieldSet::MANAGER)?.view(None, |view| {
+            self.inner.record_prefix_cache_stats(view, num_hits)
+        })
     }
 
     #[doc = docstring!(KVCacheManager.make_prefix_cache_stats)]

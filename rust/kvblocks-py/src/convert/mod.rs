@@ -12,9 +12,6 @@
 //!   widened into a `Vec<i64>` otherwise;
 //! * any other iterable is materialised by [`to_list`], and each item converted as
 //!   `operator.index` would.
-//!
-//! The one import cycle left in the binding is inherent: a manager's `block_pool` view
-//! (`pool.rs`) and the manager (`manager.rs`) refer to each other.
 
 mod buffer;
 mod choice;
@@ -27,7 +24,6 @@ pub use ints::{int_column, token_id, token_ids, IntColumn};
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyBool, PyList, PyString, PyTuple};
@@ -96,14 +92,6 @@ pub fn request_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<PyBackedStr> {
         PyTypeError::new_err(format!("{name} must be a str, got {}", type_name(obj)))
     })?;
     PyBackedStr::try_from(id.clone())
-}
-
-/// `request.request_id`, read and checked as [`request_id`] checks it.
-pub fn request_id_of(request: &Bound<'_, PyAny>) -> PyResult<PyBackedStr> {
-    request_id(
-        &request.getattr(intern!(request.py(), "request_id"))?,
-        "request_id",
-    )
 }
 
 /// `type(obj).__name__`, for error messages.

@@ -10,9 +10,10 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PySet, PyString};
 
-use crate::convert::{int_column, request_id_of, to_list, IntColumn};
+use crate::convert::{int_column, to_list, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
+use crate::request_fields::{FieldSet, RequestFields};
 use crate::vllm::PyVllmManager;
 
 use super::outcome::ordered_set;
@@ -62,12 +63,9 @@ impl<'py> RequestColumns<'py> {
             requests: Vec::new(),
         };
         for request in &requests {
-            let id = request_id_of(request)?;
-            cols.computed.push(
-                request
-                    .getattr(intern!(request.py(), "num_computed_tokens"))?
-                    .extract()?,
-            );
+            let fields = RequestFields::read(request, FieldSet::PROGRESS)?;
+            let id = fields.request_id;
+            cols.computed.push(fields.num_computed_tokens);
             let scheduled = match &scheduled_map {
                 Some(map) => map.get_item(&*id)?,
                 None => num_scheduled_tokens

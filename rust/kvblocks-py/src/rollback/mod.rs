@@ -24,11 +24,10 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PySet;
 
-use crate::convert::{
-    int_column, request_id, request_id_of, to_list, ChoiceArg, Flag, Given, IntColumn,
-};
+use crate::convert::{int_column, request_id, to_list, ChoiceArg, Flag, Given, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
+use crate::request_fields::{int_field, FieldSet, RequestFields};
 use crate::vllm::PyVllmManager;
 use columns::{check_unique, fetch_tables, NativeManager, RequestColumns, Target};
 use outcome::ordered_set;
@@ -279,14 +278,12 @@ pub fn handle_failed_recving(
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
-        .map(request_id_of)
+        .map(|r| RequestFields::read(r, FieldSet::ID).map(|f| f.request_id))
         .collect::<PyResult<Vec<_>>>()?;
     check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();
     let read = |i: usize| {
-        waiting[i]
-            .getattr(intern!(py, "num_computed_tokens"))
-            .and_then(|n| n.extract::<i64>())
+        int_field(&waiting[i], intern!(py, "num_computed_tokens"))
             .map_err(|err| stash.keep(err, "reading num_computed_tokens"))
     };
     let mut target = Target {

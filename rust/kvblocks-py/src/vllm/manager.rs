@@ -2,7 +2,7 @@
 //! full-attention group; several full, sliding-window and chunked-local groups; one
 //! local-attention group): vLLM's `KVCacheManager` methods with the Scheduler's
 //! arguments and result shapes, over the core's [`HybridManager`]. Requests are read
-//! as in `request.rs`.
+//! by `crate::request_fields`.
 
 // The `///` comments of the Python-visible items are docstrings (reST, Google style),
 // not rustdoc markdown.
@@ -24,14 +24,13 @@ use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxBuildHasher;
 
 use super::blocks::{block_view, PyBlockView, PyKVCacheBlocks};
-use super::request::{
-    admission_status, request_attr, request_flag, request_id, with_request_view, HashCache,
-    VllmRequest,
-};
 use crate::convert::{int_column, to_list, Flag};
 use crate::errors::IntoPyResult;
-use crate::events::{take_events, EventSource, EventState};
+use crate::events::{take_events, with_request, EventSource, EventState};
 use crate::pool::{pool_view, PoolHandle, PoolHost, PyBlockPool};
+use crate::request_fields::{
+    field_equals, flag_field, int_field, FieldSet, HashCache, RequestFields,
+};
 
 /// The native half of ``kvblocks.vllm.KVCacheManager`` and
 /// ``HybridKVCacheManager``: vLLM's ``KVCacheManager`` methods over one or several KV
@@ -106,12 +105,12 @@ impl PyVllmManager {
         ) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
         let py = slf.py();
-        let req = VllmRequest::read(request)?;
+        let fields = RequestFields::read(request, FieldSet::MANAGER)?;
         // Layouts of full-attention groups alone use none of these: not read then.
         let layout = slf.try_borrow()?.inner.uses_layout_fields();
         let field = |name, wanted: bool| {
             if wanted && layout {
-                request_attr(request, name)
+                int_field(request, name)
             } else {
                 Ok(0)
             }
@@ -119,11 +118,10 @@ impl PyVllmManager {
         let num_prompt_tokens = field(intern!(py, "num_prompt_tokens"), true)?;
         let shared_prefix_boundary = field(intern!(py, "shared_prefix_boundary"), true)?;
         let num_in_flight_tokens = field(intern!(py, "num_in_flight_tokens"), in_flight)?;
-        let id = req.request_id.to_str()?;
         let mut this = slf.try_borrow_mut()?;
         let mut caches = std::mem::take(&mut this.hashes);
-        let cache = caches.entry_ref(id).or_default();
-        let result = with_request_view(&mut *this, cache, request, req, |this, view| {
+        let cache = caches.entry_ref(&*fields.request_id).or_default();
+        let result = with_request(&mut *this, request, &fields, Some(cache), |this, view| {
             let request = HybridRequest {
                 view: *view,
                 num_prompt_tokens,
@@ -375,7 +373,7 @@ impl PyVllmManager {
         max_cache_hit_length: Option<i64>,
     ) -> PyResult<(Py<PyKVCacheBlocks>, i64, i64)> {
         let py = slf.py();
-        let skip = request_flag(request, intern!(py, "skip_reading_prefix_cache"))?;
+        let skip = flag_field(request, intern!(py, "skip_reading_prefix_cache"))?;
         let (caching, events_on) = {
             let this = slf.try_borrow()?;
             (this.inner.enable_caching(), this.events.is_some())
@@ -383,10 +381,8 @@ impl PyVllmManager {
         if !caching || skip {
             return Ok((slf.try_borrow()?.empty.clone_ref(py), 0, 0));
         }
-        let full_report = events_on
-            && request
-                .getattr_opt(intern!(py, "kv_cache_report_mode"))?
-                .is_some_and(|mode| mode.eq("full").unwrap_or(false));
+        let full_report =
+            events_on && field_equals(request, intern!(py, "kv_cache_report_mode"), "full")?;
         let hit = Self::with_request(slf, request, false, |core, req| {
             let hit = core.get_computed_blocks(&req.view, max_cache_hit_length)?;
             if full_report && hit.hit_tokens > 0 {
@@ -438,15 +434,17 @@ impl PyVllmManager {
             }
             _ => None,
         };
-        let status = admission_status(
-            request,
-            has_scheduled_reqs.0,
-            slf.try_borrow()?.inner.watermark_blocks(),
-        )?;
-        let watermarked = match status {
-            Some(status) => slf.try_borrow()?.admission_statuses.contains(&status),
-            None => false,
+        // The watermark applies to admissions (vLLM's waiting and preempted statuses)
+        // while other requests are scheduled: `status` is read only then.
+        let status = if has_scheduled_reqs.0 && slf.try_borrow()?.inner.watermark_blocks() > 0 {
+            Some(int_field(request, intern!(py, "status"))?)
+        } else {
+            None
         };
+        let watermarked = status.is_some_and(|s| {
+            slf.try_borrow()
+                .is_ok_and(|m| m.admission_statuses.contains(&s))
+        });
         let slots = HybridSlots {
             num_new_tokens,
             num_new_computed_tokens,
@@ -468,10 +466,10 @@ impl PyVllmManager {
 
     /// Frees the request's blocks, group by group, tail first (unknown: a no-op).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = request_id(request)?;
+        let id = RequestFields::read(request, FieldSet::ID)?.request_id;
         let mut this = slf.try_borrow_mut()?;
         this.inner.free(&id).py()?;
-        this.hashes.remove(&id);
+        this.hashes.remove(&*id);
         Ok(())
     }
 
@@ -481,10 +479,10 @@ impl PyVllmManager {
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let id = request_id(request)?;
+        let id = RequestFields::read(request, FieldSet::ID)?.request_id;
         let mut this = slf.try_borrow_mut()?;
         let blocks = this.inner.pop_blocks_for_free(&id);
-        this.hashes.remove(&id);
+        this.hashes.remove(&*id);
         let pool = PoolHandle::new(slf.clone().unbind());
         PyList::new(
             slf.py(),
@@ -620,7 +618,8 @@ impl PyVllmManager {
 
     /// The tokens the request's cached blocks cover (vLLM's ``estimate_cached_tokens``).
     fn estimate_cached_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<i64> {
-        Ok(self.inner.estimate_cached_tokens(&request_id(request)?))
+        let id = RequestFields::read(request, FieldSet::ID)?.request_id;
+        Ok(self.inner.estimate_cached_tokens(&id))
     }
 
     /// vLLM's ``coordinator.get_num_blocks_to_allocate`` (``new_computed_blocks`` as

@@ -1,0 +1,375 @@
+//! The one reader of a request's own fields for the managers and the rollback. A call
+//! that takes a request reads it here: `request_id` first, then the fields of the
+//! call's [`FieldSet`] in one order (`num_tokens`, `num_computed_tokens`,
+//! `block_hashes`), each converted as it is read. Every error names the field: the id's
+//! message starts with `request_id`, any other field's `TypeError` or `OverflowError`
+//! with `request.{field}: `. A native `Request` is read in place. The fields only vLLM's `Request` has (its layout counts, `status`, flags)
+//! and a request's token slice are read here too. The extras have their own reader
+//! (`extra_keys.rs`), and the hasher, which reads no id, its own (`hashing.rs`): a
+//! native `Request` drives its hasher, so the hasher cannot depend on this module.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use kvblocks_core::request::{HashSource, RequestView};
+use kvblocks_core::BlockHash;
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PySequence, PySlice, PyString};
+
+use crate::convert::{int_column, request_id, type_name, HashSeq, IntColumn};
+use crate::errors::{IntoPyResult, StashedError};
+use crate::request::PyRequest;
+
+/// The fields a call reads besides `request_id`, which every call reads first.
+#[derive(Clone, Copy)]
+pub(crate) struct FieldSet {
+    num_tokens: bool,
+    num_computed_tokens: bool,
+    block_hashes: bool,
+}
+
+impl FieldSet {
+    /// `request_id` alone.
+    pub(crate) const ID: Self = Self {
+        num_tokens: false,
+        num_computed_tokens: false,
+        block_hashes: false,
+    };
+    /// The rollback's: the request's progress.
+    pub(crate) const PROGRESS: Self = Self {
+        num_computed_tokens: true,
+        ..Self::ID
+    };
+    /// The managers': every field.
+    pub(crate) const MANAGER: Self = Self {
+        num_tokens: true,
+        num_computed_tokens: true,
+        block_hashes: true,
+    };
+}
+
+/// A request's fields as one call read them; those outside its set are 0 and empty.
+pub(crate) struct RequestFields<'py> {
+    pub(crate) request_id: PyBackedStr,
+    pub(crate) num_tokens: i64,
+    pub(crate) num_computed_tokens: i64,
+    block_hashes: Hashes<'py>,
+}
+
+enum Hashes<'py> {
+    Unread,
+    /// A native request's, borrowed for the call.
+    Native(PyRef<'py, PyRequest>),
+    Python(PyHashes<'py>),
+}
+
+impl<'py> RequestFields<'py> {
+    /// Reads `request`'s fields of `fields`, in the one order.
+    pub(crate) fn read(request: &Bound<'py, PyAny>, fields: FieldSet) -> PyResult<Self> {
+        let py = request.py();
+        if let Ok(native) = request.cast::<PyRequest>() {
+            let native = native.try_borrow()?;
+            return Ok(Self {
+                request_id: PyBackedStr::try_from(native.request_id_str(py))?,
+                num_tokens: native.num_tokens(),
+                num_computed_tokens: native.num_computed_tokens(),
+                block_hashes: if fields.block_hashes {
+                    Hashes::Native(native)
+                } else {
+                    Hashes::Unread
+                },
+            });
+        }
+        let int = |wanted: bool, name| {
+            if wanted {
+                int_field(request, name)
+            } else {
+                Ok(0)
+            }
+        };
+        // Struct fields are evaluated as written: this is the read order.
+        Ok(Self {
+            request_id: id_field(request)?,
+            num_tokens: int(fields.num_tokens, intern!(py, "num_tokens"))?,
+            num_computed_tokens: int(
+                fields.num_computed_tokens,
+                intern!(py, "num_computed_tokens"),
+            )?,
+            block_hashes: if fields.block_hashes {
+                let name = intern!(py, "block_hashes");
+                let value = request.getattr(name)?;
+                let seq = value.cast_into::<PySequence>().map_err(|e| {
+                    let got = type_name(e.into_inner().as_any());
+                    named(
+                        name,
+                        &PyTypeError::new_err(format!("must be a sequence, got {got}")),
+                    )
+                })?;
+                Hashes::Python(PyHashes::of(seq)?)
+            } else {
+                Hashes::Unread
+            },
+        })
+    }
+
+    /// Runs `f` on a view of the request. Its Python hashes go through `cache` when
+    /// one is given (synced first, filled as the core asks); a Python error met
+    /// converting them is raised in place of the core's.
+    pub(crate) fn view<T>(
+        &self,
+        cache: Option<&mut HashCache>,
+        f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
+    ) -> PyResult<T> {
+        let (slice, cached);
+        let hashes: &dyn HashSource = match (&self.block_hashes, cache) {
+            (Hashes::Native(request), _) => {
+                slice = SliceHashes(request.block_hashes());
+                &slice
+            }
+            (Hashes::Unread, _) => {
+                slice = SliceHashes(&[]);
+                &slice
+            }
+            (Hashes::Python(source), None) => source,
+            (Hashes::Python(source), Some(cache)) => {
+                cache.sync(source)?;
+                cached = CachedHashes {
+                    source,
+                    cache: RefCell::new(cache),
+                };
+                &cached
+            }
+        };
+        let result = f(&RequestView {
+            request_id: &self.request_id,
+            num_tokens: self.num_tokens,
+            num_computed_tokens: self.num_computed_tokens,
+            block_hashes: hashes,
+        });
+        match &self.block_hashes {
+            Hashes::Python(source) => source.finish(result),
+            _ => result.py(),
+        }
+    }
+}
+
+/// `request.request_id`, an exact `str`'s contents.
+fn id_field(request: &Bound<'_, PyAny>) -> PyResult<PyBackedStr> {
+    request_id(
+        &request.getattr(intern!(request.py(), "request_id"))?,
+        "request_id",
+    )
+}
+
+/// An int field of the request (vLLM's layout counts and `status`, and the one
+/// `handle_failed_recving` reads late).
+pub(crate) fn int_field(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+    request
+        .getattr(name)?
+        .extract()
+        .map_err(|e| named(name, &e))
+}
+
+/// A conversion's `TypeError` or `OverflowError` for field `name`, its message
+/// prefixed with `request.{name}: `; any other error as it is.
+fn named(name: &Bound<'_, PyString>, err: &PyErr) -> PyErr {
+    let py = name.py();
+    if !(err.is_instance_of::<PyTypeError>(py) || err.is_instance_of::<PyOverflowError>(py)) {
+        return err.clone_ref(py);
+    }
+    let message = format!("request.{name}: {}", err.value(py));
+    match err.get_type(py).call1((message,)) {
+        Ok(value) => PyErr::from_value(value),
+        Err(_) => err.clone_ref(py),
+    }
+}
+
+/// `getattr(request, name, False)`, by truthiness.
+pub(crate) fn flag_field(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<bool> {
+    request
+        .getattr_opt(name)?
+        .map_or(Ok(false), |v| v.is_truthy())
+}
+
+/// Whether `getattr(request, name, None) == value` (vLLM's `kv_cache_report_mode`).
+pub(crate) fn field_equals(
+    request: &Bound<'_, PyAny>,
+    name: &Bound<'_, PyString>,
+    value: &str,
+) -> PyResult<bool> {
+    Ok(request
+        .getattr_opt(name)?
+        .is_some_and(|v| v.eq(value).unwrap_or(false)))
+}
+
+/// The token ids of `range`: a native request's in place, any other's as the slice
+/// `request.all_token_ids[range]` (fewer when it holds fewer), as plain ints.
+pub(crate) fn token_slice(request: &Bound<'_, PyAny>, range: Range<usize>) -> PyResult<IntColumn> {
+    if let Ok(native) = request.cast::<PyRequest>() {
+        let tokens = native.try_borrow()?.tokens(range);
+        return Ok(IntColumn::Owned(tokens));
+    }
+    let py = request.py();
+    let bound = |i: usize| isize::try_from(i).unwrap_or(isize::MAX);
+    let slice = PySlice::new(py, bound(range.start), bound(range.end), 1);
+    int_column(
+        &request
+            .getattr(intern!(py, "all_token_ids"))?
+            .get_item(slice)?,
+    )
+}
+
+/// A request's `block_hashes`, converted lazily: the manager asks only for the ranges
+/// a call needs. A Python error met while converting is kept and re-raised as it was,
+/// after the core call returned (having changed nothing).
+struct PyHashes<'py> {
+    seq: HashSeq<'py>,
+    len: usize,
+    error: StashedError,
+}
+
+impl<'py> PyHashes<'py> {
+    fn of(seq: Bound<'py, PySequence>) -> PyResult<Self> {
+        let seq = HashSeq::new(seq);
+        let len = seq.len()?;
+        Ok(Self {
+            seq,
+            len,
+            error: StashedError::default(),
+        })
+    }
+
+    /// Item `i` itself, unconverted (`None` past the end).
+    fn item(&self, i: usize) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if i >= self.len {
+            return Ok(None);
+        }
+        self.seq.item(i).map(Some)
+    }
+
+    /// Keeps `err` to be raised by [`Self::finish`]; the core's placeholder error.
+    fn keep(&self, err: PyErr) -> kvblocks_core::Error {
+        self.error.keep(err, "block hash conversion")
+    }
+
+    /// The core result, or the Python error the conversion hit.
+    fn finish<T>(&self, result: kvblocks_core::Result<T>) -> PyResult<T> {
+        self.error.finish(result)
+    }
+}
+
+impl HashSource for PyHashes<'_> {
+    fn num_hashes(&self) -> usize {
+        self.len
+    }
+
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
+        self.seq
+            .extend_range(range, out)
+            .map_err(|err| self.keep(err))
+    }
+
+    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
+        self.seq.get(i).map_err(|err| self.keep(err))
+    }
+}
+
+/// Hashes already converted (a native request's).
+struct SliceHashes<'a>(&'a [BlockHash]);
+
+impl HashSource for SliceHashes<'_> {
+    fn num_hashes(&self) -> usize {
+        self.0.num_hashes()
+    }
+
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
+        self.0.hashes(range, out)
+    }
+
+    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
+        self.0.hash(i)
+    }
+}
+
+/// The block hashes of one request converted so far, and the `block_hashes` item the
+/// last of them was read from: a vLLM manager keeps one per request, so each hash is
+/// converted once.
+#[derive(Default)]
+pub(crate) struct HashCache {
+    hashes: Vec<BlockHash>,
+    last: Option<Py<PyAny>>,
+}
+
+impl HashCache {
+    /// Keeps what is still current. vLLM appends to `request.block_hashes`, but also
+    /// cuts its tail and regrows it (a streaming session's update) or rebuilds it: then
+    /// the item the last cached hash came from is no longer in its place (an identity
+    /// test, one item per call), and the cache starts over.
+    fn sync(&mut self, source: &PyHashes<'_>) -> PyResult<()> {
+        if self.hashes.len() > source.num_hashes() {
+            self.hashes.truncate(source.num_hashes());
+            self.last = self
+                .hashes
+                .len()
+                .checked_sub(1)
+                .map(|i| source.item(i))
+                .transpose()?
+                .flatten()
+                .map(Bound::unbind);
+        }
+        let Some(i) = self.hashes.len().checked_sub(1) else {
+            return Ok(());
+        };
+        let current = source.item(i)?;
+        if current.as_ref().map(Bound::as_ptr) != self.last.as_ref().map(Py::as_ptr) {
+            self.hashes.clear();
+            self.last = None;
+        }
+        Ok(())
+    }
+}
+
+/// A request's block hashes: those read before from its [`HashCache`], the rest
+/// converted from `request.block_hashes` as the core asks for them and added to it.
+struct CachedHashes<'a, 'py> {
+    source: &'a PyHashes<'py>,
+    cache: RefCell<&'a mut HashCache>,
+}
+
+impl CachedHashes<'_, '_> {
+    /// Converts the hashes up to `end` that the cache does not hold yet.
+    fn fill(&self, end: usize) -> kvblocks_core::Result<()> {
+        let mut cache = self.cache.borrow_mut();
+        let start = cache.hashes.len();
+        if start < end {
+            self.source.hashes(start..end, &mut cache.hashes)?;
+            match self.source.item(end - 1) {
+                Ok(item) => cache.last = item.map(Bound::unbind),
+                Err(err) => {
+                    cache.hashes.truncate(start);
+                    return Err(self.source.keep(err));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl HashSource for CachedHashes<'_, '_> {
+    fn num_hashes(&self) -> usize {
+        self.source.num_hashes()
+    }
+
+    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
+        self.fill(range.end)?;
+        self.cache.borrow().hashes.as_slice().hashes(range, out)
+    }
+
+    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
+        self.fill(i + 1)?;
+        self.cache.borrow().hashes.as_slice().hash(i)
+    }
+}
