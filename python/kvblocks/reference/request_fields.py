@@ -23,7 +23,15 @@ from kvblocks.reference.kv_cache_utils import (
     to_request_id,
 )
 
-__all__ = ["ID", "MANAGER", "PROGRESS", "FieldSet", "RequestFields", "int_field", "read_request"]
+__all__ = [
+    "ID",
+    "MANAGER",
+    "PROGRESS",
+    "FieldSet",
+    "RequestFields",
+    "num_computed_tokens_of",
+    "read_request",
+]
 
 _T = TypeVar("_T")
 
@@ -93,10 +101,10 @@ def read_request(request: Any, fields: FieldSet) -> RequestFields:
     )
 
 
-def int_field(request: Any, name: str) -> int:
-    """An int field read alone (``handle_failed_recving`` reads ``num_computed_tokens``
-    of the matched requests only, after their ids)."""
-    return _field(request, name, to_int)
+def num_computed_tokens_of(request: Any) -> int:
+    """``request.num_computed_tokens`` read alone (``handle_failed_recving`` reads it of
+    the matched requests only, after every id)."""
+    return _field(request, "num_computed_tokens", to_int)
 
 
 def _field(request: Any, name: str, convert: Callable[[Any], _T]) -> _T:

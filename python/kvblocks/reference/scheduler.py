@@ -51,7 +51,12 @@ from kvblocks.reference.kv_cache_utils import (
     to_uint,
     to_unsigned_list,
 )
-from kvblocks.reference.request_fields import ID, PROGRESS, int_field, read_request
+from kvblocks.reference.request_fields import (
+    ID,
+    PROGRESS,
+    num_computed_tokens_of,
+    read_request,
+)
 
 __all__ = [
     "BlockTableSource",
@@ -446,7 +451,7 @@ def _read_failed_recving(
     _check_unique(ids)
     # Token counts are read from the matched requests only.
     matched = [request for request, i in zip(waiting, ids, strict=True) if i in failed]
-    lost = [int_field(request, "num_computed_tokens") for request in matched]
+    lost = [num_computed_tokens_of(request) for request in matched]
     for value in lost:
         check_non_negative("num_computed_tokens", value)
     # In the order they were reported, as vLLM's `_handle_failed_recving` adds them.

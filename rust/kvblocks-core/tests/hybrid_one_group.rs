@@ -142,22 +142,25 @@ fn reserved_blocks_are_left_free_for_the_step_but_not_the_gate() {
 fn the_watermark_applies_to_admissions_while_others_are_scheduled() {
     // int(0.25 * 10) = 2 blocks kept; 9 free; 32 tokens need 8: 8 + 2 > 9.
     let s = source(32);
-    for (watermarked, fits) in [(true, false), (false, true)] {
+    // Status 0 is an admission status, 2 is not; `None`: not read (nothing scheduled).
+    for (status, fits) in [(Some(0), false), (Some(2), true), (None, true)] {
         let mut mgr = manager(10);
-        mgr.set_watermark(0.25).unwrap();
+        assert!(!mgr.reads_status(true), "no watermark: status not read");
+        mgr.set_watermark(0.25, vec![0, 1]).unwrap();
         assert_eq!(mgr.watermark_blocks(), 2);
+        assert!(mgr.reads_status(true) && !mgr.reads_status(false));
         let args = HybridSlots {
-            watermarked,
+            status,
             ..new_tokens(32)
         };
         let got = mgr.allocate_slots(&view("r", 0, &s), &args).unwrap();
-        assert_eq!(got.is_some(), fits, "watermarked {watermarked}");
+        assert_eq!(got.is_some(), fits, "status {status:?}");
     }
     // The gate counts the watermark too: 36 tokens need 9 blocks, 9 + 2 > 9.
     let mut mgr = manager(10);
-    mgr.set_watermark(0.25).unwrap();
+    mgr.set_watermark(0.25, vec![0]).unwrap();
     let gated = HybridSlots {
-        watermarked: true,
+        status: Some(0),
         full_sequence_must_fit: true,
         ..new_tokens(4)
     };
@@ -168,10 +171,13 @@ fn the_watermark_applies_to_admissions_while_others_are_scheduled() {
     );
     // vLLM asserts a non-negative watermark (NaN fails it too); int(inf) overflows.
     for bad in [-0.1, f64::NAN] {
-        assert!(matches!(mgr.set_watermark(bad), Err(Error::Assertion(_))));
+        assert!(matches!(
+            mgr.set_watermark(bad, vec![0]),
+            Err(Error::Assertion(_))
+        ));
     }
     assert!(matches!(
-        mgr.set_watermark(f64::INFINITY),
+        mgr.set_watermark(f64::INFINITY, vec![0]),
         Err(Error::Overflow(_))
     ));
     assert_eq!(

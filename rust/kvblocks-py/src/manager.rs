@@ -252,7 +252,7 @@ impl PyKVCacheManager {
     #[pyo3(text_signature = None)]
     fn free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let fields = RequestFields::read(request, FieldSet::ID)?;
-        self.inner.free(&fields.request_id).py()
+        self.inner.free(fields.id()).py()
     }
 
     #[doc = docstring!(KVCacheManager.cache_blocks)]
@@ -275,7 +275,7 @@ impl PyKVCacheManager {
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let request_id = convert::request_id(request_id, "request_id")?;
+        let request_id = convert::request_id(request_id.clone(), "request_id")?;
         let table = PyList::new(py, self.inner.get_block_ids(&request_id))?;
         PyTuple::new(py, [table])
     }

@@ -223,7 +223,7 @@ impl PyRequest {
         mm_features: Given<'py>,
         prompt_embeds: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, Self>> {
-        let id = convert::request_id(request_id, "request_id")?;
+        let id = convert::request_id(request_id.clone(), "request_id")?;
         // An exact `str`, so a subclass's dunders never run later.
         let request_id_obj = match request_id.cast_exact::<PyString>() {
             Ok(exact) => exact.clone().unbind(),

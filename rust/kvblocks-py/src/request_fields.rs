@@ -70,7 +70,8 @@ impl<'py> RequestFields<'py> {
     /// Reads `request`'s fields of `fields`, in the one order.
     pub(crate) fn read(request: &Bound<'py, PyAny>, fields: FieldSet) -> PyResult<Self> {
         let py = request.py();
-        if let Ok(native) = request.cast::<PyRequest>() {
+        // Exact: a native `Request` cannot be subclassed, and the test is one comparison.
+        if let Ok(native) = request.cast_exact::<PyRequest>() {
             let native = native.try_borrow()?;
             return Ok(Self {
                 request_id: PyBackedStr::try_from(native.request_id_str(py))?,
@@ -115,6 +116,11 @@ impl<'py> RequestFields<'py> {
         })
     }
 
+    /// The id's contents.
+    pub(crate) fn id(&self) -> &str {
+        &self.request_id
+    }
+
     /// Runs `f` on a view of the request. Its Python hashes go through `cache` when
     /// one is given (synced first, filled as the core asks); a Python error met
     /// converting them is raised in place of the core's.
@@ -144,7 +150,7 @@ impl<'py> RequestFields<'py> {
             }
         };
         let result = f(&RequestView {
-            request_id: &self.request_id,
+            request_id: self.id(),
             num_tokens: self.num_tokens,
             num_computed_tokens: self.num_computed_tokens,
             block_hashes: hashes,
@@ -156,17 +162,73 @@ impl<'py> RequestFields<'py> {
     }
 }
 
+/// The fields only vLLM's `Request` has, which layouts with local attention (or
+/// scheduler blocks larger than the hash blocks) read after the others, in this order.
+#[derive(Default)]
+pub(crate) struct LayoutFields {
+    pub(crate) num_prompt_tokens: i64,
+    pub(crate) shared_prefix_boundary: i64,
+    pub(crate) num_in_flight_tokens: i64,
+}
+
+impl LayoutFields {
+    /// Reads them when the layout uses them (`num_in_flight_tokens` only when
+    /// `in_flight`: `allocate_slots` alone needs it); 0 otherwise.
+    #[inline]
+    pub(crate) fn read(request: &Bound<'_, PyAny>, used: bool, in_flight: bool) -> PyResult<Self> {
+        let py = request.py();
+        if !used {
+            return Ok(Self::default());
+        }
+        Ok(Self {
+            num_prompt_tokens: int_field(request, intern!(py, "num_prompt_tokens"))?,
+            shared_prefix_boundary: int_field(request, intern!(py, "shared_prefix_boundary"))?,
+            num_in_flight_tokens: if in_flight {
+                int_field(request, intern!(py, "num_in_flight_tokens"))?
+            } else {
+                0
+            },
+        })
+    }
+}
+
 /// `request.request_id`, an exact `str`'s contents.
+#[inline]
 fn id_field(request: &Bound<'_, PyAny>) -> PyResult<PyBackedStr> {
     request_id(
-        &request.getattr(intern!(request.py(), "request_id"))?,
+        request.getattr(intern!(request.py(), "request_id"))?,
         "request_id",
     )
 }
 
-/// An int field of the request (vLLM's layout counts and `status`, and the one
-/// `handle_failed_recving` reads late).
-pub(crate) fn int_field(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+/// `request.num_computed_tokens` read alone (`handle_failed_recving` reads it of the
+/// matched requests only, after every id).
+pub(crate) fn num_computed_tokens_of(request: &Bound<'_, PyAny>) -> PyResult<i64> {
+    int_field(request, intern!(request.py(), "num_computed_tokens"))
+}
+
+/// vLLM's `request.status` (read only when the watermark can apply).
+pub(crate) fn status(request: &Bound<'_, PyAny>) -> PyResult<i64> {
+    int_field(request, intern!(request.py(), "status"))
+}
+
+/// `getattr(request, "skip_reading_prefix_cache", False)`, by truthiness.
+pub(crate) fn skips_prefix_cache(request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    request
+        .getattr_opt(intern!(request.py(), "skip_reading_prefix_cache"))?
+        .map_or(Ok(false), |v| v.is_truthy())
+}
+
+/// Whether `getattr(request, "kv_cache_report_mode", None) == "full"`.
+pub(crate) fn reports_full(request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(request
+        .getattr_opt(intern!(request.py(), "kv_cache_report_mode"))?
+        .is_some_and(|mode| mode.eq("full").unwrap_or(false)))
+}
+
+/// An int field, its conversion error naming it.
+#[inline]
+fn int_field(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
     request
         .getattr(name)?
         .extract()
@@ -185,24 +247,6 @@ fn named(name: &Bound<'_, PyString>, err: &PyErr) -> PyErr {
         Ok(value) => PyErr::from_value(value),
         Err(_) => err.clone_ref(py),
     }
-}
-
-/// `getattr(request, name, False)`, by truthiness.
-pub(crate) fn flag_field(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<bool> {
-    request
-        .getattr_opt(name)?
-        .map_or(Ok(false), |v| v.is_truthy())
-}
-
-/// Whether `getattr(request, name, None) == value` (vLLM's `kv_cache_report_mode`).
-pub(crate) fn field_equals(
-    request: &Bound<'_, PyAny>,
-    name: &Bound<'_, PyString>,
-    value: &str,
-) -> PyResult<bool> {
-    Ok(request
-        .getattr_opt(name)?
-        .is_some_and(|v| v.eq(value).unwrap_or(false)))
 }
 
 /// The token ids of `range`: a native request's in place, any other's as the slice
@@ -232,6 +276,7 @@ struct PyHashes<'py> {
 }
 
 impl<'py> PyHashes<'py> {
+    #[inline]
     fn of(seq: Bound<'py, PySequence>) -> PyResult<Self> {
         let seq = HashSeq::new(seq);
         let len = seq.len()?;

@@ -106,8 +106,9 @@ pub struct HybridSlots<'a> {
     pub full_sequence_must_fit: bool,
     /// Free blocks to leave to other in-flight sequences.
     pub reserved_blocks: i64,
-    /// Whether the watermark applies (an admission while others are scheduled).
-    pub watermarked: bool,
+    /// The request's `status` when [`HybridManager::reads_status`] says the watermark
+    /// can apply (`None` otherwise): it applies to an admission status.
+    pub status: Option<i64>,
 }
 
 /// A prefix-cache lookup: the blocks per group, the hit in tokens, and vLLM's
@@ -234,6 +235,9 @@ pub struct HybridManager {
     max_model_len: i64,
     retention_interval: Option<i64>,
     watermark_blocks: usize,
+    /// The `request.status` values the watermark applies to (vLLM's waiting and
+    /// preempted ones).
+    admission_statuses: Vec<i64>,
     release_rules: ReleaseRules,
     requests: Requests,
 }
@@ -308,6 +312,7 @@ impl HybridManager {
             max_model_len: config.max_model_len,
             retention_interval: config.retention_interval,
             watermark_blocks: 0,
+            admission_statuses: Vec::new(),
             release_rules: ReleaseRules::default(),
             requests: Requests::default(),
         })
@@ -318,14 +323,22 @@ impl HybridManager {
         self.release_rules = rules;
     }
 
-    /// Keeps `int(watermark * num_blocks)` blocks free for admissions (vLLM's).
+    /// Keeps `int(watermark * num_blocks)` blocks free for admissions (vLLM's): requests
+    /// whose `status` is one of `admission_statuses`.
     ///
     /// # Errors
     /// [`Error::Assertion`] for a negative or NaN fraction, [`Error::Overflow`] for an
     /// infinite one (vLLM's assert and `int(inf)`).
-    pub fn set_watermark(&mut self, watermark: f64) -> Result<()> {
+    pub fn set_watermark(&mut self, watermark: f64, admission_statuses: Vec<i64>) -> Result<()> {
         self.watermark_blocks = watermark_blocks(watermark, self.pool.num_blocks())?;
+        self.admission_statuses = admission_statuses;
         Ok(())
+    }
+
+    /// Whether `allocate_slots` needs the request's `status`: only while other
+    /// requests are scheduled and a watermark is set, so it is read only then.
+    pub fn reads_status(&self, has_scheduled_reqs: bool) -> bool {
+        has_scheduled_reqs && self.watermark_blocks > 0
     }
 
     /// Blocks admissions leave free while other requests are scheduled.
@@ -536,7 +549,10 @@ impl HybridManager {
         let local = view.num_computed_tokens + args.num_new_computed_tokens;
         let adopted = local + args.num_external_computed_tokens;
         let total_computed = adopted.min(self.max_model_len);
-        let watermark = if args.watermarked {
+        let watermark = if args
+            .status
+            .is_some_and(|s| self.admission_statuses.contains(&s))
+        {
             signed(self.watermark_blocks)
         } else {
             0

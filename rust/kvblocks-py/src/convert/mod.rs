@@ -87,11 +87,15 @@ pub fn index_uint<T: for<'a, 'py> FromPyObject<'a, 'py, Error = PyErr>>(
 /// A request id: an exact `str`'s contents (a subclass is read as them), or the
 /// reference's `TypeError("{name} must be a str, got {type}")`; `UnicodeEncodeError` for a
 /// lone surrogate.
-pub fn request_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<PyBackedStr> {
-    let id = obj.cast::<PyString>().map_err(|_| {
-        PyTypeError::new_err(format!("{name} must be a str, got {}", type_name(obj)))
-    })?;
-    PyBackedStr::try_from(id.clone())
+#[inline]
+pub fn request_id(obj: Bound<'_, PyAny>, name: &str) -> PyResult<PyBackedStr> {
+    match obj.cast_into::<PyString>() {
+        Ok(id) => PyBackedStr::try_from(id),
+        Err(err) => Err(PyTypeError::new_err(format!(
+            "{name} must be a str, got {}",
+            type_name(err.into_inner().as_any())
+        ))),
+    }
 }
 
 /// `type(obj).__name__`, for error messages.

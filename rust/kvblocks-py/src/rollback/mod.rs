@@ -27,7 +27,7 @@ use pyo3::types::PySet;
 use crate::convert::{int_column, request_id, to_list, ChoiceArg, Flag, Given, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
-use crate::request_fields::{int_field, FieldSet, RequestFields};
+use crate::request_fields::{num_computed_tokens_of, FieldSet, RequestFields};
 use crate::vllm::PyVllmManager;
 use columns::{check_unique, fetch_tables, NativeManager, RequestColumns, Target};
 use outcome::ordered_set;
@@ -273,7 +273,7 @@ pub fn handle_failed_recving(
     // subclass's `__eq__` or `__hash__`.
     let reported = to_list(failed_req_ids)?
         .iter()
-        .map(|id| request_id(&id, "failed_req_ids item"))
+        .map(|id| request_id(id, "failed_req_ids item"))
         .collect::<PyResult<Vec<_>>>()?;
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
@@ -283,7 +283,7 @@ pub fn handle_failed_recving(
     check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();
     let read = |i: usize| {
-        int_field(&waiting[i], intern!(py, "num_computed_tokens"))
+        num_computed_tokens_of(&waiting[i])
             .map_err(|err| stash.keep(err, "reading num_computed_tokens"))
     };
     let mut target = Target {

@@ -123,7 +123,7 @@ fn set_field<T: std::hash::Hash + Eq>(
 
 /// A request id of a set field, as an owned `String`.
 fn owned_id(id: &Bound<'_, PyAny>) -> PyResult<String> {
-    Ok(request_id(id, "request_id")?.to_string())
+    Ok(request_id(id.clone(), "request_id")?.to_string())
 }
 
 /// A new Python set of `items`, added in this order.

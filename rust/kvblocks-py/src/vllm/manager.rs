@@ -29,7 +29,7 @@ use crate::errors::IntoPyResult;
 use crate::events::{take_events, with_request, EventSource, EventState};
 use crate::pool::{pool_view, PoolHandle, PoolHost, PyBlockPool};
 use crate::request_fields::{
-    field_equals, flag_field, int_field, FieldSet, HashCache, RequestFields,
+    reports_full, skips_prefix_cache, status, FieldSet, HashCache, LayoutFields, RequestFields,
 };
 
 /// The native half of ``kvblocks.vllm.KVCacheManager`` and
@@ -63,7 +63,6 @@ pub struct PyVllmManager {
     events: Option<EventState>,
     /// Each known request's block hashes converted so far.
     hashes: HashMap<String, HashCache, FxBuildHasher>,
-    admission_statuses: Vec<i64>,
     /// The result with no blocks in any group, handed out whenever nothing was
     /// allocated or hit.
     empty: Py<PyKVCacheBlocks>,
@@ -104,29 +103,18 @@ impl PyVllmManager {
             &HybridRequest<'_, dyn HashSource + '_>,
         ) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
-        let py = slf.py();
         let fields = RequestFields::read(request, FieldSet::MANAGER)?;
-        // Layouts of full-attention groups alone use none of these: not read then.
-        let layout = slf.try_borrow()?.inner.uses_layout_fields();
-        let field = |name, wanted: bool| {
-            if wanted && layout {
-                int_field(request, name)
-            } else {
-                Ok(0)
-            }
-        };
-        let num_prompt_tokens = field(intern!(py, "num_prompt_tokens"), true)?;
-        let shared_prefix_boundary = field(intern!(py, "shared_prefix_boundary"), true)?;
-        let num_in_flight_tokens = field(intern!(py, "num_in_flight_tokens"), in_flight)?;
+        let uses_layout = slf.try_borrow()?.inner.uses_layout_fields();
+        let layout = LayoutFields::read(request, uses_layout, in_flight)?;
         let mut this = slf.try_borrow_mut()?;
         let mut caches = std::mem::take(&mut this.hashes);
-        let cache = caches.entry_ref(&*fields.request_id).or_default();
+        let cache = caches.entry_ref(fields.id()).or_default();
         let result = with_request(&mut *this, request, &fields, Some(cache), |this, view| {
             let request = HybridRequest {
                 view: *view,
-                num_prompt_tokens,
-                num_in_flight_tokens,
-                shared_prefix_boundary,
+                num_prompt_tokens: layout.num_prompt_tokens,
+                num_in_flight_tokens: layout.num_in_flight_tokens,
+                shared_prefix_boundary: layout.shared_prefix_boundary,
             };
             f(&mut this.inner, &request)
         });
@@ -277,7 +265,9 @@ impl PyVllmManager {
             retention_interval,
         })
         .py()?;
-        inner.set_watermark(watermark).py()?;
+        inner
+            .set_watermark(watermark, int_column(admission_statuses)?.into_vec())
+            .py()?;
         inner.set_release_rules(ReleaseRules::for_vllm(vllm_series));
         let events = if enable_kv_cache_events.0 {
             inner.enable_kv_cache_events();
@@ -300,7 +290,6 @@ impl PyVllmManager {
             inner,
             events,
             hashes: HashMap::default(),
-            admission_statuses: int_column(admission_statuses)?.into_vec(),
             empty,
             pool_view: OnceLock::new(),
         })
@@ -373,7 +362,7 @@ impl PyVllmManager {
         max_cache_hit_length: Option<i64>,
     ) -> PyResult<(Py<PyKVCacheBlocks>, i64, i64)> {
         let py = slf.py();
-        let skip = flag_field(request, intern!(py, "skip_reading_prefix_cache"))?;
+        let skip = skips_prefix_cache(request)?;
         let (caching, events_on) = {
             let this = slf.try_borrow()?;
             (this.inner.enable_caching(), this.events.is_some())
@@ -381,8 +370,7 @@ impl PyVllmManager {
         if !caching || skip {
             return Ok((slf.try_borrow()?.empty.clone_ref(py), 0, 0));
         }
-        let full_report =
-            events_on && field_equals(request, intern!(py, "kv_cache_report_mode"), "full")?;
+        let full_report = events_on && reports_full(request)?;
         let hit = Self::with_request(slf, request, false, |core, req| {
             let hit = core.get_computed_blocks(&req.view, max_cache_hit_length)?;
             if full_report && hit.hit_tokens > 0 {
@@ -434,17 +422,13 @@ impl PyVllmManager {
             }
             _ => None,
         };
-        // The watermark applies to admissions (vLLM's waiting and preempted statuses)
-        // while other requests are scheduled: `status` is read only then.
-        let status = if has_scheduled_reqs.0 && slf.try_borrow()?.inner.watermark_blocks() > 0 {
-            Some(int_field(request, intern!(py, "status"))?)
+        // `status` is read only when the core's watermark can apply.
+        let reads_status = slf.try_borrow()?.inner.reads_status(has_scheduled_reqs.0);
+        let status = if reads_status {
+            Some(status(request)?)
         } else {
             None
         };
-        let watermarked = status.is_some_and(|s| {
-            slf.try_borrow()
-                .is_ok_and(|m| m.admission_statuses.contains(&s))
-        });
         let slots = HybridSlots {
             num_new_tokens,
             num_new_computed_tokens,
@@ -454,7 +438,7 @@ impl PyVllmManager {
             delay_cache_blocks: delay_cache_blocks.0,
             full_sequence_must_fit: full_sequence_must_fit.0,
             reserved_blocks,
-            watermarked,
+            status,
         };
         let allocated = Self::with_request(slf, request, true, |core, req| {
             core.allocate_slots(req, &slots)
@@ -466,10 +450,10 @@ impl PyVllmManager {
 
     /// Frees the request's blocks, group by group, tail first (unknown: a no-op).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = RequestFields::read(request, FieldSet::ID)?.request_id;
+        let fields = RequestFields::read(request, FieldSet::ID)?;
         let mut this = slf.try_borrow_mut()?;
-        this.inner.free(&id).py()?;
-        this.hashes.remove(&*id);
+        this.inner.free(fields.id()).py()?;
+        this.hashes.remove(fields.id());
         Ok(())
     }
 
@@ -479,10 +463,10 @@ impl PyVllmManager {
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let id = RequestFields::read(request, FieldSet::ID)?.request_id;
+        let fields = RequestFields::read(request, FieldSet::ID)?;
         let mut this = slf.try_borrow_mut()?;
-        let blocks = this.inner.pop_blocks_for_free(&id);
-        this.hashes.remove(&*id);
+        let blocks = this.inner.pop_blocks_for_free(fields.id());
+        this.hashes.remove(fields.id());
         let pool = PoolHandle::new(slf.clone().unbind());
         PyList::new(
             slf.py(),
@@ -618,8 +602,8 @@ impl PyVllmManager {
 
     /// The tokens the request's cached blocks cover (vLLM's ``estimate_cached_tokens``).
     fn estimate_cached_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<i64> {
-        let id = RequestFields::read(request, FieldSet::ID)?.request_id;
-        Ok(self.inner.estimate_cached_tokens(&id))
+        let fields = RequestFields::read(request, FieldSet::ID)?;
+        Ok(self.inner.estimate_cached_tokens(fields.id()))
     }
 
     /// vLLM's ``coordinator.get_num_blocks_to_allocate`` (``new_computed_blocks`` as
