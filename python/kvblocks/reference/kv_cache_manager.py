@@ -35,7 +35,13 @@ from kvblocks.reference.kv_cache_utils import (
     to_int_list,
     to_request_id,
 )
-from kvblocks.reference.request_fields import ID, MANAGER, RequestFields, read_request
+from kvblocks.reference.request_fields import (
+    ID,
+    MANAGER,
+    RequestFields,
+    read_request,
+    token_slice,
+)
 
 if TYPE_CHECKING:
     from kvblocks.events import BlockStored, KVCacheEvent
@@ -630,10 +636,7 @@ class KVCacheManager:
         if num_cached > 0:
             parent = view.hash(num_cached - 1)
         block_size = self._block_size
-        token_ids = [
-            to_int(t)
-            for t in view.request.all_token_ids[num_cached * block_size : num_full * block_size]
-        ]
+        token_ids = token_slice(view.request, num_cached * block_size, num_full * block_size)
         num_blocks = num_full - num_cached
         attrs = extras_attrs(view.request)
         extras = read_extras(attrs, num_cached * block_size, num_blocks, block_size, "events")

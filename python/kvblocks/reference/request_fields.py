@@ -31,6 +31,7 @@ __all__ = [
     "RequestFields",
     "num_computed_tokens_of",
     "read_request",
+    "token_slice",
 ]
 
 _T = TypeVar("_T")
@@ -105,6 +106,12 @@ def num_computed_tokens_of(request: Any) -> int:
     """``request.num_computed_tokens`` read alone (``handle_failed_recving`` reads it of
     the matched requests only, after every id)."""
     return _field(request, "num_computed_tokens", to_int)
+
+
+def token_slice(request: Any, start: int, stop: int) -> list[int]:
+    """The token ids ``request.all_token_ids[start:stop]`` (fewer when it holds fewer), as
+    plain ints (the events' ``BlockStored.token_ids``)."""
+    return [to_int(t) for t in request.all_token_ids[start:stop]]
 
 
 def _field(request: Any, name: str, convert: Callable[[Any], _T]) -> _T:
