@@ -22,6 +22,7 @@ use crate::imports::{INTEGRAL, ITERABLE};
 #[doc = docstring!(Request)]
 #[pyclass(module = "kvblocks._native", name = "Request")]
 pub struct PyRequest {
+    request_id: String,
     /// The `str` object given as the id, handed back as it was.
     request_id_obj: Py<PyString>,
     num_prompt_tokens: usize,
@@ -127,6 +128,11 @@ impl PyRequest {
             .unwrap_or_default()
     }
 
+    /// The request id.
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
     /// The request id, as the `str` object it was given as.
     pub fn request_id_str<'py>(&self, py: Python<'py>) -> Bound<'py, PyString> {
         self.request_id_obj.bind(py).clone()
@@ -229,6 +235,7 @@ impl PyRequest {
             Ok(exact) => exact.clone().unbind(),
             Err(_) => PyString::new(py, &id).unbind(),
         };
+        let request_id = id.to_string();
         let block_hasher = non_none(block_hasher);
         if let Some(hasher) = &block_hasher {
             if !hasher.bind(py).is_callable() {
@@ -247,6 +254,7 @@ impl PyRequest {
             py,
             Self {
                 request_id_obj,
+                request_id,
                 num_prompt_tokens: prompt.len(),
                 all_token_ids: prompt,
                 num_computed_tokens: 0,

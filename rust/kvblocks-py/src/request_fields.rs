@@ -53,17 +53,19 @@ impl FieldSet {
 
 /// A request's fields as one call read them; those outside its set are 0 and empty.
 pub(crate) struct RequestFields<'py> {
-    pub(crate) request_id: PyBackedStr,
     pub(crate) num_tokens: i64,
     pub(crate) num_computed_tokens: i64,
-    block_hashes: Hashes<'py>,
+    source: Source<'py>,
 }
 
-enum Hashes<'py> {
-    Unread,
-    /// A native request's, borrowed for the call.
+enum Source<'py> {
+    /// A native `Request`, borrowed for the call: its id and hashes are read in place.
     Native(PyRef<'py, PyRequest>),
-    Python(PyHashes<'py>),
+    /// Any other object's id, and its hashes when the set has them.
+    Read {
+        request_id: PyBackedStr,
+        block_hashes: Option<PyHashes<'py>>,
+    },
 }
 
 impl<'py> RequestFields<'py> {
@@ -74,14 +76,9 @@ impl<'py> RequestFields<'py> {
         if let Ok(native) = request.cast_exact::<PyRequest>() {
             let native = native.try_borrow()?;
             return Ok(Self {
-                request_id: PyBackedStr::try_from(native.request_id_str(py))?,
                 num_tokens: native.num_tokens(),
                 num_computed_tokens: native.num_computed_tokens(),
-                block_hashes: if fields.block_hashes {
-                    Hashes::Native(native)
-                } else {
-                    Hashes::Unread
-                },
+                source: Source::Native(native),
             });
         }
         let int = |wanted: bool, name| {
@@ -91,34 +88,51 @@ impl<'py> RequestFields<'py> {
                 Ok(0)
             }
         };
-        // Struct fields are evaluated as written: this is the read order.
+        // Evaluated as written: this is the read order.
+        let request_id = id_field(request)?;
+        let num_tokens = int(fields.num_tokens, intern!(py, "num_tokens"))?;
+        let num_computed_tokens = int(
+            fields.num_computed_tokens,
+            intern!(py, "num_computed_tokens"),
+        )?;
+        let block_hashes = if fields.block_hashes {
+            let name = intern!(py, "block_hashes");
+            let value = request.getattr(name)?;
+            let seq = value.cast_into::<PySequence>().map_err(|e| {
+                let got = type_name(e.into_inner().as_any());
+                named(
+                    name,
+                    &PyTypeError::new_err(format!("must be a sequence, got {got}")),
+                )
+            })?;
+            Some(PyHashes::of(seq)?)
+        } else {
+            None
+        };
         Ok(Self {
-            request_id: id_field(request)?,
-            num_tokens: int(fields.num_tokens, intern!(py, "num_tokens"))?,
-            num_computed_tokens: int(
-                fields.num_computed_tokens,
-                intern!(py, "num_computed_tokens"),
-            )?,
-            block_hashes: if fields.block_hashes {
-                let name = intern!(py, "block_hashes");
-                let value = request.getattr(name)?;
-                let seq = value.cast_into::<PySequence>().map_err(|e| {
-                    let got = type_name(e.into_inner().as_any());
-                    named(
-                        name,
-                        &PyTypeError::new_err(format!("must be a sequence, got {got}")),
-                    )
-                })?;
-                Hashes::Python(PyHashes::of(seq)?)
-            } else {
-                Hashes::Unread
+            num_tokens,
+            num_computed_tokens,
+            source: Source::Read {
+                request_id,
+                block_hashes,
             },
         })
     }
 
     /// The id's contents.
     pub(crate) fn id(&self) -> &str {
-        &self.request_id
+        match &self.source {
+            Source::Native(request) => request.request_id(),
+            Source::Read { request_id, .. } => request_id,
+        }
+    }
+
+    /// The id, to keep beyond the call.
+    pub(crate) fn into_id(self) -> PyResult<PyBackedStr> {
+        match self.source {
+            Source::Native(request) => PyBackedStr::try_from(request.request_id_str(request.py())),
+            Source::Read { request_id, .. } => Ok(request_id),
+        }
     }
 
     /// Runs `f` on a view of the request. Its Python hashes go through `cache` when
@@ -130,17 +144,34 @@ impl<'py> RequestFields<'py> {
         f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
         let (slice, cached);
-        let hashes: &dyn HashSource = match (&self.block_hashes, cache) {
-            (Hashes::Native(request), _) => {
+        let hashes: &dyn HashSource = match (&self.source, cache) {
+            (Source::Native(request), _) => {
                 slice = SliceHashes(request.block_hashes());
                 &slice
             }
-            (Hashes::Unread, _) => {
+            (
+                Source::Read {
+                    block_hashes: None, ..
+                },
+                _,
+            ) => {
                 slice = SliceHashes(&[]);
                 &slice
             }
-            (Hashes::Python(source), None) => source,
-            (Hashes::Python(source), Some(cache)) => {
+            (
+                Source::Read {
+                    block_hashes: Some(source),
+                    ..
+                },
+                None,
+            ) => source,
+            (
+                Source::Read {
+                    block_hashes: Some(source),
+                    ..
+                },
+                Some(cache),
+            ) => {
                 cache.sync(source)?;
                 cached = CachedHashes {
                     source,
@@ -155,8 +186,11 @@ impl<'py> RequestFields<'py> {
             num_computed_tokens: self.num_computed_tokens,
             block_hashes: hashes,
         });
-        match &self.block_hashes {
-            Hashes::Python(source) => source.finish(result),
+        match &self.source {
+            Source::Read {
+                block_hashes: Some(source),
+                ..
+            } => source.finish(result),
             _ => result.py(),
         }
     }

@@ -64,8 +64,8 @@ impl<'py> RequestColumns<'py> {
         };
         for request in &requests {
             let fields = RequestFields::read(request, FieldSet::PROGRESS)?;
-            let id = fields.request_id;
             cols.computed.push(fields.num_computed_tokens);
+            let id = fields.into_id()?;
             let scheduled = match &scheduled_map {
                 Some(map) => map.get_item(&*id)?,
                 None => num_scheduled_tokens

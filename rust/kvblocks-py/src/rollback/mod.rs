@@ -278,7 +278,7 @@ pub fn handle_failed_recving(
     let waiting: Vec<Bound<'_, PyAny>> = to_list(waiting_for_remote_kvs)?.iter().collect();
     let ids = waiting
         .iter()
-        .map(|r| RequestFields::read(r, FieldSet::ID).map(|f| f.request_id))
+        .map(|r| RequestFields::read(r, FieldSet::ID)?.into_id())
         .collect::<PyResult<Vec<_>>>()?;
     check_unique(py, &ids, &mut HashSet::with_capacity(ids.len()))?;
     let stash = StashedError::default();
