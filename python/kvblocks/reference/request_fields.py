@@ -124,6 +124,7 @@ def _field(request: Any, name: str, convert: Callable[[Any], _T]) -> _T:
 
 
 def _to_sequence(value: object) -> Sequence[object]:
+    """``value`` itself when it is a sequence (read by index)."""
     if not isinstance(value, Sequence):
         raise TypeError(f"must be a sequence, got {type(value).__name__}")
     return value

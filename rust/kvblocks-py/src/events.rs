@@ -4,10 +4,10 @@
 //! with the hash form (int or bytes) chosen when the manager was created.
 //!
 //! While the manager caches a request's blocks, the core asks for their token ids
-//! through [`RequestTokens`], which reads them (`crate::request_fields::token_slice`),
-//! and at the same point (before anything changes) reads
-//! the request's extras (`crate::extra_keys::read_extras`); the core derives the
-//! blocks' event keys from them. A request with any gets its `LoRA` fields and keys
+//! through [`RequestTokens`], which reads them (`crate::request_fields::token_slice`)
+//! and, at the same point (before anything changes), the request's extras
+//! (`crate::extra_keys::read_extras`); the core derives the blocks' event keys from
+//! them. A request with any gets its `LoRA` fields and keys
 //! kept beside the core's record, as Python objects, until the events are taken.
 
 use std::cell::RefCell;
@@ -390,7 +390,7 @@ impl<'py> RequestTokens<'py> {
     ) -> PyResult<()> {
         let first_block = range.start / block_size.max(1);
         let num_blocks = range.len() / block_size.max(1);
-        out.extend_from_slice(&token_slice(request, range)?);
+        token_slice(request, range, out)?;
         let attrs = ExtrasAttrs::of(request)?;
         let blocks = KeyedBlocks {
             start: first_block * block_size,

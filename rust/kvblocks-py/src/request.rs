@@ -139,12 +139,11 @@ impl PyRequest {
     }
 
     /// The token ids of `range` (fewer when the request holds fewer, as a slice).
-    pub fn tokens(&self, range: std::ops::Range<usize>) -> Vec<i64> {
+    pub fn tokens(&self, range: std::ops::Range<usize>) -> &[i64] {
         let end = range.end.min(self.all_token_ids.len());
         self.all_token_ids
             .get(range.start.min(end)..end)
             .unwrap_or_default()
-            .to_vec()
     }
 
     /// Prompt plus output tokens.

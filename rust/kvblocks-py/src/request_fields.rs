@@ -3,8 +3,10 @@
 //! call's [`FieldSet`] in one order (`num_tokens`, `num_computed_tokens`,
 //! `block_hashes`), each converted as it is read. Every error names the field: the id's
 //! message starts with `request_id`, any other field's `TypeError` or `OverflowError`
-//! with `request.{field}: `. A native `Request` is read in place. The fields only vLLM's `Request` has (its layout counts, `status`, flags)
-//! and a request's token slice are read here too. The extras have their own reader
+//! with `request.{field}: `. A native `Request` is read in place.
+//!
+//! The fields only vLLM's `Request` has (its layout counts, `status`, flags) and a
+//! request's token slice are read here too. The extras have their own reader
 //! (`extra_keys.rs`), and the hasher, which reads no id, its own (`hashing.rs`): a
 //! native `Request` drives its hasher, so the hasher cannot depend on this module.
 
@@ -19,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PySequence, PySlice, PyString};
 
-use crate::convert::{int_column, request_id, type_name, HashSeq, IntColumn};
+use crate::convert::{int_column, request_id, type_name, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
 use crate::request::PyRequest;
 
@@ -51,7 +53,8 @@ impl FieldSet {
     };
 }
 
-/// A request's fields as one call read them; those outside its set are 0 and empty.
+/// A request's fields as one call read them. A native `Request` has them all; any
+/// other object's fields outside the call's set are 0 and empty.
 pub(crate) struct RequestFields<'py> {
     pub(crate) num_tokens: i64,
     pub(crate) num_computed_tokens: i64,
@@ -96,14 +99,12 @@ impl<'py> RequestFields<'py> {
             intern!(py, "num_computed_tokens"),
         )?;
         let block_hashes = if fields.block_hashes {
-            let name = intern!(py, "block_hashes");
-            let value = request.getattr(name)?;
+            let value = request.getattr(intern!(py, "block_hashes"))?;
             let seq = value.cast_into::<PySequence>().map_err(|e| {
                 let got = type_name(e.into_inner().as_any());
-                named(
-                    name,
-                    &PyTypeError::new_err(format!("must be a sequence, got {got}")),
-                )
+                PyTypeError::new_err(format!(
+                    "request.block_hashes: must be a sequence, got {got}"
+                ))
             })?;
             Some(PyHashes::of(seq)?)
         } else {
@@ -143,35 +144,18 @@ impl<'py> RequestFields<'py> {
         cache: Option<&mut HashCache>,
         f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
+        let (native, python) = match &self.source {
+            Source::Native(request) => (request.block_hashes(), None),
+            Source::Read { block_hashes, .. } => (&[][..], block_hashes.as_ref()),
+        };
         let (slice, cached);
-        let hashes: &dyn HashSource = match (&self.source, cache) {
-            (Source::Native(request), _) => {
-                slice = SliceHashes(request.block_hashes());
+        let hashes: &dyn HashSource = match (python, cache) {
+            (None, _) => {
+                slice = SliceHashes(native);
                 &slice
             }
-            (
-                Source::Read {
-                    block_hashes: None, ..
-                },
-                _,
-            ) => {
-                slice = SliceHashes(&[]);
-                &slice
-            }
-            (
-                Source::Read {
-                    block_hashes: Some(source),
-                    ..
-                },
-                None,
-            ) => source,
-            (
-                Source::Read {
-                    block_hashes: Some(source),
-                    ..
-                },
-                Some(cache),
-            ) => {
+            (Some(source), None) => source,
+            (Some(source), Some(cache)) => {
                 cache.sync(source)?;
                 cached = CachedHashes {
                     source,
@@ -186,12 +170,9 @@ impl<'py> RequestFields<'py> {
             num_computed_tokens: self.num_computed_tokens,
             block_hashes: hashes,
         });
-        match &self.source {
-            Source::Read {
-                block_hashes: Some(source),
-                ..
-            } => source.finish(result),
-            _ => result.py(),
+        match python {
+            Some(source) => source.finish(result),
+            None => result.py(),
         }
     }
 }
@@ -210,10 +191,10 @@ impl LayoutFields {
     /// `in_flight`: `allocate_slots` alone needs it); 0 otherwise.
     #[inline]
     pub(crate) fn read(request: &Bound<'_, PyAny>, used: bool, in_flight: bool) -> PyResult<Self> {
-        let py = request.py();
         if !used {
             return Ok(Self::default());
         }
+        let py = request.py();
         Ok(Self {
             num_prompt_tokens: int_field(request, intern!(py, "num_prompt_tokens"))?,
             shared_prefix_boundary: int_field(request, intern!(py, "shared_prefix_boundary"))?,
@@ -242,7 +223,7 @@ pub(crate) fn num_computed_tokens_of(request: &Bound<'_, PyAny>) -> PyResult<i64
 }
 
 /// vLLM's `request.status` (read only when the watermark can apply).
-pub(crate) fn status(request: &Bound<'_, PyAny>) -> PyResult<i64> {
+pub(crate) fn status_of(request: &Bound<'_, PyAny>) -> PyResult<i64> {
     int_field(request, intern!(request.py(), "status"))
 }
 
@@ -283,21 +264,26 @@ fn named(name: &Bound<'_, PyString>, err: &PyErr) -> PyErr {
     }
 }
 
-/// The token ids of `range`: a native request's in place, any other's as the slice
-/// `request.all_token_ids[range]` (fewer when it holds fewer), as plain ints.
-pub(crate) fn token_slice(request: &Bound<'_, PyAny>, range: Range<usize>) -> PyResult<IntColumn> {
-    if let Ok(native) = request.cast::<PyRequest>() {
-        let tokens = native.try_borrow()?.tokens(range);
-        return Ok(IntColumn::Owned(tokens));
+/// Appends the token ids of `range` to `out`: a native request's in place, any
+/// other's as the slice `request.all_token_ids[range]` (fewer when it holds fewer), as
+/// plain ints.
+pub(crate) fn token_slice(
+    request: &Bound<'_, PyAny>,
+    range: Range<usize>,
+    out: &mut Vec<i64>,
+) -> PyResult<()> {
+    if let Ok(native) = request.cast_exact::<PyRequest>() {
+        out.extend_from_slice(native.try_borrow()?.tokens(range));
+        return Ok(());
     }
     let py = request.py();
     let bound = |i: usize| isize::try_from(i).unwrap_or(isize::MAX);
     let slice = PySlice::new(py, bound(range.start), bound(range.end), 1);
-    int_column(
-        &request
-            .getattr(intern!(py, "all_token_ids"))?
-            .get_item(slice)?,
-    )
+    let tokens = request
+        .getattr(intern!(py, "all_token_ids"))?
+        .get_item(slice)?;
+    out.extend_from_slice(&int_column(&tokens)?);
+    Ok(())
 }
 
 /// A request's `block_hashes`, converted lazily: the manager asks only for the ranges

@@ -29,7 +29,7 @@ use crate::errors::IntoPyResult;
 use crate::events::{take_events, with_request, EventSource, EventState};
 use crate::pool::{pool_view, PoolHandle, PoolHost, PyBlockPool};
 use crate::request_fields::{
-    reports_full, skips_prefix_cache, status, FieldSet, HashCache, LayoutFields, RequestFields,
+    reports_full, skips_prefix_cache, status_of, FieldSet, HashCache, LayoutFields, RequestFields,
 };
 
 /// The native half of ``kvblocks.vllm.KVCacheManager`` and
@@ -425,7 +425,7 @@ impl PyVllmManager {
         // `status` is read only when the core's watermark can apply.
         let reads_status = slf.try_borrow()?.inner.reads_status(has_scheduled_reqs.0);
         let status = if reads_status {
-            Some(status(request)?)
+            Some(status_of(request)?)
         } else {
             None
         };
