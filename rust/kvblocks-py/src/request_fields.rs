@@ -252,6 +252,7 @@ fn int_field(request: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult
 
 /// A conversion's `TypeError` or `OverflowError` for field `name`, its message
 /// prefixed with `request.{name}: `; any other error as it is.
+#[cold]
 fn named(name: &Bound<'_, PyString>, err: &PyErr) -> PyErr {
     let py = name.py();
     if !(err.is_instance_of::<PyTypeError>(py) || err.is_instance_of::<PyOverflowError>(py)) {
