@@ -29,7 +29,7 @@ use crate::extra_keys::{
     attr_or_none, read_extras, value_to_py, ExtrasAttrs, Identities, KeyedBlocks,
 };
 use crate::imports::{ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, USE_INT_BLOCK_HASHES};
-use crate::request_fields::{token_slice, HashCache, RequestFields};
+use crate::request_fields::{token_slice, RequestFields};
 
 /// `kv_cache_spec_kind` of the manager's one group.
 const FULL_ATTENTION: &str = "full_attention";
@@ -288,21 +288,19 @@ fn ix(group: u32) -> usize {
     usize::try_from(group).unwrap_or(usize::MAX)
 }
 
-/// Runs `f` on `manager` with a view of `request` (read as `fields`, its hashes through
-/// `cache` when given). With events on, the request's tokens and extras are read as the
+/// Runs `f` on `manager` with a view of `request` (read as `fields`). With events on, the request's tokens and extras are read as the
 /// core plans each `BlockStored`, and its request fields are attached to the records
 /// after.
 pub(crate) fn with_request<M: EventSource, T>(
     manager: &mut M,
     request: &Bound<'_, PyAny>,
     fields: &RequestFields<'_>,
-    cache: Option<&mut HashCache>,
     f: impl FnOnce(&mut M, &RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
 ) -> PyResult<T> {
     let (state, log) = manager.event_parts();
     let tokens = RequestTokens::new(state.as_deref(), request);
     let before = log.len();
-    let result = fields.view(cache, |view| tokens.run(view, |view| f(manager, view)));
+    let result = fields.view(|view| tokens.run(view, |view| f(manager, view)));
     let (state, log) = manager.event_parts();
     tokens.finish(result, state, log, before)
 }

@@ -206,7 +206,7 @@ impl PyKVCacheManager {
     #[pyo3(text_signature = None)]
     fn get_computed_blocks(&self, request: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
         RequestFields::read(request, FieldSet::MANAGER)?
-            .view(None, |view| self.inner.get_computed_blocks(view))
+            .view(|view| self.inner.get_computed_blocks(view))
     }
 
     #[doc = docstring!(KVCacheManager.allocate_slots)]
@@ -243,7 +243,7 @@ impl PyKVCacheManager {
             delay_cache_blocks: delay_cache_blocks.0,
         };
         let fields = RequestFields::read(request, FieldSet::MANAGER)?;
-        with_request(self, request, &fields, None, |this, view| {
+        with_request(self, request, &fields, |this, view| {
             this.inner.allocate_slots(view, &slots)
         })
     }
@@ -263,7 +263,7 @@ impl PyKVCacheManager {
         num_computed_tokens: i64,
     ) -> PyResult<()> {
         let fields = RequestFields::read(request, FieldSet::MANAGER)?;
-        with_request(self, request, &fields, None, |this, view| {
+        with_request(self, request, &fields, |this, view| {
             this.inner.cache_blocks(view, num_computed_tokens)
         })
     }
@@ -308,9 +308,8 @@ impl PyKVCacheManager {
         request: &Bound<'_, PyAny>,
         num_hits: i64,
     ) -> PyResult<()> {
-        RequestFields::read(request, FieldSet::MANAGER)?.view(None, |view| {
-            self.inner.record_prefix_cache_stats(view, num_hits)
-        })
+        RequestFields::read(request, FieldSet::MANAGER)?
+            .view(|view| self.inner.record_prefix_cache_stats(view, num_hits))
     }
 
     #[doc = docstring!(KVCacheManager.make_prefix_cache_stats)]

@@ -10,7 +10,6 @@
 //! (`extra_keys.rs`), and the hasher, which reads no id, its own (`hashing.rs`): a
 //! native `Request` drives its hasher, so the hasher cannot depend on this module.
 
-use std::cell::RefCell;
 use std::ops::Range;
 
 use kvblocks_core::request::{HashSource, RequestView};
@@ -136,33 +135,20 @@ impl<'py> RequestFields<'py> {
         }
     }
 
-    /// Runs `f` on a view of the request. Its Python hashes go through `cache` when
-    /// one is given (synced first, filled as the core asks); a Python error met
-    /// converting them is raised in place of the core's.
+    /// Runs `f` on a view of the request; a Python error met converting its hashes is
+    /// raised in place of the core's.
     pub(crate) fn view<T>(
         &self,
-        cache: Option<&mut HashCache>,
         f: impl FnOnce(&RequestView<'_, dyn HashSource + '_>) -> kvblocks_core::Result<T>,
     ) -> PyResult<T> {
         let (native, python) = match &self.source {
             Source::Native(request) => (request.block_hashes(), None),
             Source::Read { block_hashes, .. } => (&[][..], block_hashes.as_ref()),
         };
-        let (slice, cached);
-        let hashes: &dyn HashSource = match (python, cache) {
-            (None, _) => {
-                slice = SliceHashes(native);
-                &slice
-            }
-            (Some(source), None) => source,
-            (Some(source), Some(cache)) => {
-                cache.sync(source)?;
-                cached = CachedHashes {
-                    source,
-                    cache: RefCell::new(cache),
-                };
-                &cached
-            }
+        let slice = SliceHashes(native);
+        let hashes: &dyn HashSource = match python {
+            Some(source) => source,
+            None => &slice,
         };
         let result = f(&RequestView {
             request_id: self.id(),
@@ -308,14 +294,6 @@ impl<'py> PyHashes<'py> {
         })
     }
 
-    /// Item `i` itself, unconverted (`None` past the end).
-    fn item(&self, i: usize) -> PyResult<Option<Bound<'py, PyAny>>> {
-        if i >= self.len {
-            return Ok(None);
-        }
-        self.seq.item(i).map(Some)
-    }
-
     /// Keeps `err` to be raised by [`Self::finish`]; the core's placeholder error.
     fn keep(&self, err: PyErr) -> kvblocks_core::Error {
         self.error.keep(err, "block hash conversion")
@@ -357,85 +335,5 @@ impl HashSource for SliceHashes<'_> {
 
     fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
         self.0.hash(i)
-    }
-}
-
-/// The block hashes of one request converted so far, and the `block_hashes` item the
-/// last of them was read from: a vLLM manager keeps one per request, so each hash is
-/// converted once.
-#[derive(Default)]
-pub(crate) struct HashCache {
-    hashes: Vec<BlockHash>,
-    last: Option<Py<PyAny>>,
-}
-
-impl HashCache {
-    /// Keeps what is still current. vLLM appends to `request.block_hashes`, but also
-    /// cuts its tail and regrows it (a streaming session's update) or rebuilds it: then
-    /// the item the last cached hash came from is no longer in its place (an identity
-    /// test, one item per call), and the cache starts over.
-    fn sync(&mut self, source: &PyHashes<'_>) -> PyResult<()> {
-        if self.hashes.len() > source.num_hashes() {
-            self.hashes.truncate(source.num_hashes());
-            self.last = self
-                .hashes
-                .len()
-                .checked_sub(1)
-                .map(|i| source.item(i))
-                .transpose()?
-                .flatten()
-                .map(Bound::unbind);
-        }
-        let Some(i) = self.hashes.len().checked_sub(1) else {
-            return Ok(());
-        };
-        let current = source.item(i)?;
-        if current.as_ref().map(Bound::as_ptr) != self.last.as_ref().map(Py::as_ptr) {
-            self.hashes.clear();
-            self.last = None;
-        }
-        Ok(())
-    }
-}
-
-/// A request's block hashes: those read before from its [`HashCache`], the rest
-/// converted from `request.block_hashes` as the core asks for them and added to it.
-struct CachedHashes<'a, 'py> {
-    source: &'a PyHashes<'py>,
-    cache: RefCell<&'a mut HashCache>,
-}
-
-impl CachedHashes<'_, '_> {
-    /// Converts the hashes up to `end` that the cache does not hold yet.
-    fn fill(&self, end: usize) -> kvblocks_core::Result<()> {
-        let mut cache = self.cache.borrow_mut();
-        let start = cache.hashes.len();
-        if start < end {
-            self.source.hashes(start..end, &mut cache.hashes)?;
-            match self.source.item(end - 1) {
-                Ok(item) => cache.last = item.map(Bound::unbind),
-                Err(err) => {
-                    cache.hashes.truncate(start);
-                    return Err(self.source.keep(err));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-impl HashSource for CachedHashes<'_, '_> {
-    fn num_hashes(&self) -> usize {
-        self.source.num_hashes()
-    }
-
-    fn hashes(&self, range: Range<usize>, out: &mut Vec<BlockHash>) -> kvblocks_core::Result<()> {
-        self.fill(range.end)?;
-        self.cache.borrow().hashes.as_slice().hashes(range, out)
-    }
-
-    fn hash(&self, i: usize) -> kvblocks_core::Result<BlockHash> {
-        self.fill(i + 1)?;
-        self.cache.borrow().hashes.as_slice().hash(i)
     }
 }

@@ -181,11 +181,6 @@ impl<'py> HashSeq<'py> {
         unsafe { Borrowed::from_ptr_or_err(self.seq.py(), item) }
     }
 
-    /// Item `i` itself, unconverted.
-    pub fn item(&self, i: usize) -> PyResult<Bound<'py, PyAny>> {
-        self.seq.get_item(i)
-    }
-
     /// Item `i` as a block hash.
     pub fn get(&self, i: usize) -> PyResult<BlockHash> {
         match self.exact(i) {

@@ -10,7 +10,6 @@
 
 use std::sync::OnceLock;
 
-use hashbrown::HashMap;
 use kvblocks_core::events::EventLog;
 use kvblocks_core::hybrid::{
     Attention, GroupSpec, HybridConfig, HybridManager, HybridRequest, HybridSlots, ReleaseRules,
@@ -21,7 +20,6 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
-use rustc_hash::FxBuildHasher;
 
 use super::blocks::{block_view, PyBlockView, PyKVCacheBlocks};
 use crate::convert::{int_column, to_list, Flag};
@@ -29,7 +27,7 @@ use crate::errors::IntoPyResult;
 use crate::events::{take_events, with_request, EventSource, EventState};
 use crate::pool::{pool_view, PoolHandle, PoolHost, PyBlockPool};
 use crate::request_fields::{
-    reports_full, skips_prefix_cache, status_of, FieldSet, HashCache, LayoutFields, RequestFields,
+    reports_full, skips_prefix_cache, status_of, FieldSet, LayoutFields, RequestFields,
 };
 
 /// The native half of ``kvblocks.vllm.KVCacheManager`` and
@@ -61,8 +59,6 @@ pub struct PyVllmManager {
     inner: HybridManager,
     /// `Some` iff KV cache events are on.
     events: Option<EventState>,
-    /// Each known request's block hashes converted so far.
-    hashes: HashMap<String, HashCache, FxBuildHasher>,
     /// The result with no blocks in any group, handed out whenever nothing was
     /// allocated or hit.
     empty: Py<PyKVCacheBlocks>,
@@ -91,8 +87,9 @@ impl EventSource for PyVllmManager {
 }
 
 impl PyVllmManager {
-    /// Runs `f` on the core manager with a view of `request` whose hashes come from
-    /// its cache entry (and tokens attached for events). `in_flight` reads
+    /// Runs `f` on the core manager with a view of `request` (and its tokens attached
+    /// for events). The hashes are converted as the core asks for them, on every call:
+    /// a decoding step asks for at most its new block's. `in_flight` reads
     /// `request.num_in_flight_tokens` (only `allocate_slots` needs it).
     fn with_request<T>(
         slf: &Bound<'_, Self>,
@@ -107,9 +104,7 @@ impl PyVllmManager {
         let uses_layout = slf.try_borrow()?.inner.uses_layout_fields();
         let layout = LayoutFields::read(request, uses_layout, in_flight)?;
         let mut this = slf.try_borrow_mut()?;
-        let mut caches = std::mem::take(&mut this.hashes);
-        let cache = caches.entry_ref(fields.id()).or_default();
-        let result = with_request(&mut *this, request, &fields, Some(cache), |this, view| {
+        with_request(&mut *this, request, &fields, |this, view| {
             let request = HybridRequest {
                 view: *view,
                 num_prompt_tokens: layout.num_prompt_tokens,
@@ -117,9 +112,7 @@ impl PyVllmManager {
                 shared_prefix_boundary: layout.shared_prefix_boundary,
             };
             f(&mut this.inner, &request)
-        });
-        this.hashes = caches;
-        result
+        })
     }
 
     /// The request's table in group 0 (empty without one), for the rollback.
@@ -289,7 +282,6 @@ impl PyVllmManager {
         Ok(Self {
             inner,
             events,
-            hashes: HashMap::default(),
             empty,
             pool_view: OnceLock::new(),
         })
@@ -451,10 +443,7 @@ impl PyVllmManager {
     /// Frees the request's blocks, group by group, tail first (unknown: a no-op).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let fields = RequestFields::read(request, FieldSet::ID)?;
-        let mut this = slf.try_borrow_mut()?;
-        this.inner.free(fields.id()).py()?;
-        this.hashes.remove(fields.id());
-        Ok(())
+        slf.try_borrow_mut()?.inner.free(fields.id()).py()
     }
 
     /// Forgets the request and returns its blocks, group after group, each without
@@ -466,7 +455,6 @@ impl PyVllmManager {
         let fields = RequestFields::read(request, FieldSet::ID)?;
         let mut this = slf.try_borrow_mut()?;
         let blocks = this.inner.pop_blocks_for_free(fields.id());
-        this.hashes.remove(fields.id());
         let pool = PoolHandle::new(slf.clone().unbind());
         PyList::new(
             slf.py(),
