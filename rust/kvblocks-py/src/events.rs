@@ -288,9 +288,9 @@ fn ix(group: u32) -> usize {
     usize::try_from(group).unwrap_or(usize::MAX)
 }
 
-/// Runs `f` on `manager` with a view of `request` (read as `fields`). With events on, the request's tokens and extras are read as the
-/// core plans each `BlockStored`, and its request fields are attached to the records
-/// after.
+/// Runs `f` on `manager` with a view of `request` (read as `fields`). With events on,
+/// the request's tokens and extras are read as the core plans each `BlockStored`, and
+/// its request fields are attached to the records after.
 pub(crate) fn with_request<M: EventSource, T>(
     manager: &mut M,
     request: &Bound<'_, PyAny>,
