@@ -31,6 +31,7 @@ from kvblocks.vllm.factory import (  # noqa: E402
 )
 from kvblocks.vllm.hybrid import HybridKVCacheManager  # noqa: E402
 from kvblocks.vllm.manager import KVCacheManager  # noqa: E402
+from kvblocks.vllm.num_tokens import register_request_class  # noqa: E402
 from kvblocks.vllm.scheduler import (  # noqa: E402
     KVBlocksAsyncScheduler,
     KVBlocksScheduler,
@@ -50,3 +51,6 @@ __all__ = [
     "unsupported_reason",
     "with_kvblocks",
 ]
+
+# The managers and the hasher read vLLM's `Request.num_tokens` natively from here on.
+register_request_class()

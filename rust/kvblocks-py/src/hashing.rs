@@ -25,6 +25,7 @@ use crate::extra_keys::{
     attr_or_none, extra_key, read_extras, ExtrasAttrs, Identities, KeyedBlocks,
 };
 use crate::imports::OS_ENVIRON;
+use crate::num_tokens::vllm_num_tokens;
 
 /// `parent` as the reference's `_check_parent` takes it: `None` or exact `bytes`.
 fn parent_arg<'a, 'py>(parent: &'a Bound<'py, PyAny>) -> PyResult<Option<&'a Bound<'py, PyBytes>>> {
@@ -185,7 +186,10 @@ impl PyBlockHasher {
             return Err(embeds_error());
         }
         let block_size = self.inner.block_size();
-        let num_tokens: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+        let num_tokens: i64 = match vllm_num_tokens(request)? {
+            Some(n) => n,
+            None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
+        };
         let known = request.getattr(intern!(py, "block_hashes"))?;
         let num_known = known.len()?;
         // A negative count has no blocks.

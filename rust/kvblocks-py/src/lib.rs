@@ -10,6 +10,7 @@ mod extra_keys;
 mod hashing;
 mod imports;
 mod manager;
+mod num_tokens;
 mod pool;
 mod request;
 mod request_fields;
@@ -32,6 +33,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vllm::PyVllmManager>()?;
     m.add_class::<vllm::PyKVCacheBlocks>()?;
     m.add_class::<vllm::PyBlockView>()?;
+    m.add_function(wrap_pyfunction!(num_tokens::register_vllm_request, m)?)?;
     m.add_function(wrap_pyfunction!(rollback::rollback_invalid_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(
         rollback::update_requests_with_invalid_blocks,

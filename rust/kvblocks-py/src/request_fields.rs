@@ -22,6 +22,7 @@ use pyo3::types::{PySequence, PySlice, PyString};
 
 use crate::convert::{int_column, request_id, type_name, HashSeq};
 use crate::errors::{IntoPyResult, StashedError};
+use crate::num_tokens::vllm_num_tokens;
 use crate::request::PyRequest;
 
 /// The fields a call reads besides `request_id`, which every call reads first.
@@ -83,20 +84,18 @@ impl<'py> RequestFields<'py> {
                 source: Source::Native(native),
             });
         }
-        let int = |wanted: bool, name| {
-            if wanted {
-                int_field(request, name)
-            } else {
-                Ok(0)
-            }
-        };
         // Evaluated as written: this is the read order.
         let request_id = id_field(request)?;
-        let num_tokens = int(fields.num_tokens, intern!(py, "num_tokens"))?;
-        let num_computed_tokens = int(
-            fields.num_computed_tokens,
-            intern!(py, "num_computed_tokens"),
-        )?;
+        let num_tokens = if fields.num_tokens {
+            num_tokens_field(request)?
+        } else {
+            0
+        };
+        let num_computed_tokens = if fields.num_computed_tokens {
+            int_field(request, intern!(py, "num_computed_tokens"))?
+        } else {
+            0
+        };
         let block_hashes = if fields.block_hashes {
             let value = request.getattr(intern!(py, "block_hashes"))?;
             let seq = value.cast_into::<PySequence>().map_err(|e| {
@@ -200,6 +199,16 @@ fn id_field(request: &Bound<'_, PyAny>) -> PyResult<PyBackedStr> {
         request.getattr(intern!(request.py(), "request_id"))?,
         "request_id",
     )
+}
+
+/// `request.num_tokens`: vLLM's `Request`'s natively where it can be (see
+/// `crate::num_tokens`).
+#[inline]
+fn num_tokens_field(request: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match vllm_num_tokens(request)? {
+        Some(n) => Ok(n),
+        None => int_field(request, intern!(request.py(), "num_tokens")),
+    }
 }
 
 /// `request.num_computed_tokens` read alone (`handle_failed_recving` reads it of the
