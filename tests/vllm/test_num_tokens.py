@@ -57,10 +57,6 @@ def make(cls: type[Request] = Request) -> Request:
     )
 
 
-def exact() -> Request:
-    return make()
-
-
 def overriding() -> Request:
     return make(Overriding)
 
@@ -73,11 +69,11 @@ def short_list() -> Request:
 
 #: Each request, what its ``num_tokens`` is, and what a class patch it needs (if any).
 VARIANTS: dict[str, tuple[Callable[[], Request], int, tuple[str, Any] | None]] = {
-    "exact": (exact, 13, None),
+    "exact": (make, 13, None),
     "subclass property": (overriding, 6, None),
     "list subclass": (short_list, 6, None),
-    "class property patched": (exact, 6, ("num_tokens", property(shrunk))),
-    "class __getattribute__ patched": (exact, 6, ("__getattribute__", intercept)),
+    "class property patched": (make, 6, ("num_tokens", property(shrunk))),
+    "class __getattribute__ patched": (make, 6, ("__getattribute__", intercept)),
 }
 
 

@@ -2,9 +2,9 @@
 
 The property is ``len(self._all_token_ids)``. The managers and the hasher read it for
 every request at every step, and a Python property called from C costs about a quarter
-of a decoding ``allocate_slots``. Once this module has checked that the
-installed vLLM's property is that one line, it registers vLLM's ``Request`` with the
-native module, which then reads the list's length for requests of exactly that class,
+of a decoding ``allocate_slots``. Once this module has checked that the installed
+vLLM's property is that one line, it registers vLLM's ``Request`` with the native
+module. That module then reads the list's length for requests of exactly that class,
 while the class keeps that property (``num_tokens.rs``). Any other request, or a
 release whose property differs, is read through the property.
 """

@@ -3,11 +3,11 @@
 //! vLLM's `Request.num_tokens` is a Python property returning
 //! `len(self._all_token_ids)`. Called from C it costs about 320 instructions, a quarter
 //! of a decoding `allocate_slots`, and the managers and the hasher read it for every
-//! request at every step. `kvblocks.vllm` registers vLLM's `Request` class once it has checked that
-//! property's code. For a request of exactly that class, while the class still holds
-//! the property it held then and looks attributes up generically, the length of the
-//! request's `_all_token_ids` list is read instead: the attribute the property reads,
-//! with no Python frame.
+//! request at every step. `kvblocks.vllm` registers vLLM's `Request` class once it has
+//! checked that property's code. For a request of exactly that class, while the class
+//! still holds the property it held then and looks attributes up generically, the
+//! length of the request's `_all_token_ids` list is read instead: the attribute the
+//! property reads, with no Python frame.
 
 use std::ffi::c_void;
 
