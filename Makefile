@@ -15,12 +15,14 @@ export PATH := $(CURDIR)/.venv/bin:$(PATH)
 dev: .venv/bin/python
 	python -m pip install --quiet -e '.[dev]'
 
-# The core crate's tests, then both backends' suite, its Hypothesis tests with a tenth of
-# CI's examples (the "dev" profile of tests/conftest.py). tests/vllm needs vLLM's venv:
-# without vLLM its conftest reports each module as skipped.
+# The core crate's tests, then both backends' suite on every core (whole files per worker,
+# as in CI). Its property tests run briefly: 32 cases each (proptest applies PROPTEST_CASES
+# to every test) and a tenth of CI's Hypothesis examples (the "dev" profile of
+# tests/conftest.py). tests/vllm needs vLLM's venv: without vLLM its conftest reports each
+# module as skipped.
 test:
-	cargo test -p kvblocks-core --locked
-	HYPOTHESIS_PROFILE=dev python -m pytest -q
+	PROPTEST_CASES=32 cargo test -p kvblocks-core --locked
+	HYPOTHESIS_PROFILE=dev python -m pytest -q -n auto --dist loadfile
 
 lint:
 	cargo fmt --all --check
