@@ -21,6 +21,7 @@ dev: .venv/bin/python
 # tests/conftest.py). tests/vllm needs vLLM's venv: without vLLM its conftest reports each
 # module as skipped.
 test:
+	@python -c 'import xdist' 2>/dev/null || { echo 'pytest-xdist is not in .venv: run make dev' >&2; exit 1; }
 	PROPTEST_CASES=32 cargo test -p kvblocks-core --locked
 	HYPOTHESIS_PROFILE=dev python -m pytest -q -n auto --dist loadfile
 
