@@ -752,7 +752,15 @@ def test_value_classes_check_their_fields(backend: ModuleType, make: Any, error:
 
 @pytest.mark.parametrize(
     "fields",
-    [(-1, 0, None, None, False), (2**32, 0, None, None, False), (1, 0, None, 2**32, False)],
+    [
+        (-1, 0, None, None, False),
+        (2**32, 0, None, None, False),
+        (1, 0, None, 2**32, False),
+        # Past 64 bits either way: the same message (PyO3's u32 would name C's long).
+        (-(2**63) - 1, 0, None, None, False),
+        (1, 2**64, None, None, False),
+        (1, 0, None, 2**200, False),
+    ],
 )
 def test_narrow_block_fields_out_of_range_say_so(backend: ModuleType, fields: Any) -> None:
     with pytest.raises(OverflowError, match=r"^out of range integral type conversion attempted"):

@@ -144,7 +144,8 @@ def to_uint(value: SupportsIndex, bits: int = 64) -> int:
     """
     number = operator.index(value)
     if bits < 64 and not 0 <= number < 1 << bits:
-        # PyO3's message for a narrower field, as natively.
+        # One message for any value outside a narrower field, however large (Rust's
+        # for a failed integer conversion, which the native field raises too).
         raise OverflowError("out of range integral type conversion attempted")
     if number < 0:
         raise OverflowError("can't convert negative int to unsigned")

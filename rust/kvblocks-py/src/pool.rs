@@ -17,6 +17,7 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::{
     block_hash, hash_bytes, int_column, to_list, BoolField, Flag, Given, HashSeq, IntColumn,
+    U32Field,
 };
 use crate::errors::{IntoPyResult, StashedError};
 
@@ -52,13 +53,15 @@ impl PyKVCacheBlock {
     #[new]
     #[pyo3(signature = (block_id, ref_cnt, block_hash, group_id, is_null), text_signature = None)]
     fn new(
-        block_id: u32,
-        ref_cnt: u32,
+        block_id: U32Field,
+        ref_cnt: U32Field,
         block_hash: Option<&Bound<'_, PyAny>>,
-        group_id: Option<u32>,
+        group_id: Option<U32Field>,
         is_null: BoolField,
     ) -> PyResult<Self> {
-        let BoolField(is_null) = is_null;
+        let (U32Field(block_id), U32Field(ref_cnt), BoolField(is_null)) =
+            (block_id, ref_cnt, is_null);
+        let group_id = group_id.map(|U32Field(id)| id);
         let block_hash = block_hash
             .map(|h| hash_bytes(h).map(|hash| hash.as_bytes().to_vec()))
             .transpose()?;

@@ -22,7 +22,7 @@ pub use choice::ChoiceArg;
 pub use hashes::{block_hash, block_hashes, hash_bytes, HashSeq};
 pub use ints::{int_column, token_id, token_ids, IntColumn};
 
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
@@ -122,6 +122,28 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         obj.is_truthy().map(Self)
+    }
+}
+
+/// A 32-bit unsigned field of a value class, as the reference's `to_uint(value, 32)`
+/// reads it: any int outside `0..2**32` is the same `OverflowError`, however large and
+/// whatever the platform's C `long` (`PyO3`'s `u32` reports a value past 64 bits, or a
+/// negative one on Windows, differently).
+#[derive(Clone, Copy)]
+pub struct U32Field(pub u32);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for U32Field {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let fits = match index_uint::<i128>(&obj) {
+            Ok(number) => u32::try_from(number).ok(),
+            Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => None,
+            Err(err) => return Err(err),
+        };
+        fits.map(Self).ok_or_else(|| {
+            PyOverflowError::new_err("out of range integral type conversion attempted")
+        })
     }
 }
 
