@@ -1,5 +1,5 @@
-"""What the tests share besides fixtures: stand-ins for vLLM's request and manager, and
-ways to compare what two backends did."""
+"""What the tests share besides fixtures: stand-ins for vLLM's request and manager, ways
+to compare what two backends did, and Hypothesis example counts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypothesis import settings
 from kvblocks.errors import UnknownBlockError
+
+
+def examples(ci: int) -> int:
+    """A property test's own example count: ``ci`` under the "ci" profile, scaled with
+    the loaded profile (a tenth under "dev", 20 times under "long"). A plain number on the
+    test would override every profile."""
+    return max(1, ci * settings().max_examples // settings.get_profile("ci").max_examples)
+
 
 #: What a call did, comparable across backends: ``("ok", result)`` or
 #: ``("error", class, message)``.

@@ -25,6 +25,7 @@ from kvblocks.events import (
     external_block_hash,
 )
 from kvblocks.extra_keys import Lora, MmItem, MmPosition, RequestExtras, event_extra_keys
+from support import examples
 
 ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
@@ -436,7 +437,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, last_copy=st.booleans())
 def test_backends_emit_identical_streams_that_rebuild_the_cache(
     ops: list[tuple[str, int, int]], last_copy: bool

@@ -23,11 +23,12 @@ import xxhash
 from golden_cases import golden_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import examples
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 PROPERTY_SETTINGS = settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )

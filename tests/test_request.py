@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import examples
 
 TOKEN = st.integers(min_value=0, max_value=200_000)
 
@@ -49,7 +50,9 @@ def test_construction_hashes_the_full_prompt_blocks(backend: ModuleType) -> None
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     algo=st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),

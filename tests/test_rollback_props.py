@@ -18,11 +18,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvblocks.reference import scheduler as reference
-from support import FakeManager, Req, outcome
+from support import FakeManager, Req, examples, outcome
 
 # `backend` is a module: nothing to reset between examples.
 PROPERTY = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(300),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
 

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from kvblocks import reference as _reference
-from support import Outcome, block_tuple, outcome
+from support import Outcome, block_tuple, examples, outcome
 
 #: The pure-Python reference every backend is compared with.
 reference: ModuleType = _reference
@@ -33,7 +33,7 @@ reference: ModuleType = _reference
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5]]
 TOKENS = st.integers(0, 3)
 SETTINGS = settings(
-    max_examples=100,
+    max_examples=examples(100),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

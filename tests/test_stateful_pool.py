@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from kvblocks import reference as _reference
-from support import Outcome, block_tuple, outcome
+from support import Outcome, block_tuple, examples, outcome
 
 #: The pure-Python reference every backend is compared with.
 reference: ModuleType = _reference
@@ -45,7 +45,7 @@ HOSTILE = [
     "bad-cache",
 ]
 SETTINGS = settings(
-    max_examples=120,
+    max_examples=examples(120),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
