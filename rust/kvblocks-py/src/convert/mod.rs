@@ -136,7 +136,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for U32Field {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let fits = match index_uint::<i128>(&obj) {
+        let fits = match index_uint::<u128>(&obj) {
             Ok(number) => u32::try_from(number).ok(),
             Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => None,
             Err(err) => return Err(err),
