@@ -21,7 +21,7 @@ from kvblocks.errors import (
     UnknownBlockError,
 )
 from kvblocks.reference import block_pool as reference_block_pool
-from kvblocks.reference.kv_cache_utils import KVCacheBlock
+from kvblocks.values import KVCacheBlock
 
 H0, H1, H2, H3 = (bytes([i]) * 32 for i in range(1, 5))
 SHORT = b"\xab" * 16  # an xxh3-128-sized hash

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kvblocks.errors import UnknownBlockError
-from kvblocks.reference.kv_cache_utils import PrefixCacheStats
+from kvblocks.values import PrefixCacheStats
 
 
 def new_manager(backend: ModuleType, num_blocks: int = 11, block_size: int = 16, **kw: Any) -> Any:

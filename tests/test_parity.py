@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import kvblocks
 import pytest
-from kvblocks import _native, reference
+from kvblocks import _native, reference, values
 
 
 def public_members(obj: Any) -> list[str]:
@@ -60,6 +61,46 @@ def test_same_kind_docstring_and_signature(name: str) -> None:
         assert signature(py_obj) == signature(rs_obj), f"constructor of {name}"
     else:
         assert signature(py_obj) == signature(rs_obj), name
+
+
+VALUE_CLASSES = ["InvalidBlocksOutcome", "KVCacheBlock", "PrefixCacheStats", "RollbackResult"]
+
+
+@pytest.mark.parametrize("name", VALUE_CLASSES)
+def test_value_classes_are_one_class_in_both_backends(name: str) -> None:
+    assert getattr(_native, name) is getattr(reference, name) is getattr(values, name)
+
+
+def native_values() -> list[Any]:
+    """One value of each class, as the native backend builds them from its core."""
+    pool = _native.BlockPool(8, block_size=4)
+    ids = pool.get_new_blocks(2)
+    pool.cache_full_blocks(ids, [b"a" * 32, b"b" * 32], 0, 2, kv_cache_group_id=3)
+    manager = _native.KVCacheManager(16, 4, log_stats=True)
+    manager.make_prefix_cache_stats()
+    manager.reset_prefix_cache()
+    waiting = [SimpleNamespace(request_id=r, num_computed_tokens=8) for r in ("r1", "r2")]
+    return [
+        pool.get_block(ids[1]),
+        pool.get_block(0),
+        manager.make_prefix_cache_stats(),
+        _native.rollback_invalid_blocks([[1, 2, 3], [1, 5]], [12, 8], [0, 0], [2], 4),
+        _native.handle_failed_recving(["r2", "r1"], waiting, policy="recompute"),
+        _native.handle_failed_recving(["r1"], waiting),
+    ]
+
+
+@pytest.mark.parametrize("value", native_values(), ids=lambda v: type(v).__name__)
+def test_native_values_are_what_their_constructor_makes_of_them(value: Any) -> None:
+    # The binding sets the fields without `__post_init__`: each must already be what the
+    # constructor's conversion makes of it, to the type.
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    rebuilt = dataclasses.replace(value)
+    assert rebuilt == value
+    assert {name: type(v) for name, v in fields.items()} == {
+        f.name: type(getattr(rebuilt, f.name)) for f in dataclasses.fields(rebuilt)
+    }
+    assert repr(rebuilt) == repr(value)
 
 
 def dataclass_fields(cls: type) -> set[str]:

@@ -9,16 +9,14 @@ this package by ``tools/api_copies.py``.
 from kvblocks.reference.block_pool import BlockPool
 from kvblocks.reference.hashing import BlockHasher
 from kvblocks.reference.kv_cache_manager import KVCacheManager
-from kvblocks.reference.kv_cache_utils import KVCacheBlock, PrefixCacheStats
 from kvblocks.reference.request import Request
 from kvblocks.reference.scheduler import (
-    InvalidBlocksOutcome,
-    RollbackResult,
     handle_failed_recving,
     handle_invalid_blocks,
     rollback_invalid_blocks,
     update_requests_with_invalid_blocks,
 )
+from kvblocks.values import InvalidBlocksOutcome, KVCacheBlock, PrefixCacheStats, RollbackResult
 
 __all__ = [
     "BlockHasher",

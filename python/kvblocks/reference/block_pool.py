@@ -27,19 +27,15 @@ from kvblocks.reference.kv_cache_utils import (
     BlockHashKey,
     BlockState,
     FreeKVCacheBlockQueue,
-    KVCacheBlock,
     check_block_hash,
     check_block_ids,
     check_group_id,
     check_non_negative,
     check_num_full_blocks,
     check_positive,
-    materialise,
-    to_block_hash,
     to_block_hashes,
-    to_int,
-    to_int_list,
 )
+from kvblocks.values import KVCacheBlock, materialise, to_block_hash, to_int, to_int_list
 
 if TYPE_CHECKING:
     from kvblocks.events import KVCacheEvent

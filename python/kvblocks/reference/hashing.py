@@ -56,13 +56,7 @@ from kvblocks.extra_keys import (
     mm_items_needed,
     mm_overlaps,
 )
-from kvblocks.reference.kv_cache_utils import (
-    INT64_MAX,
-    INT64_MIN,
-    exact_str,
-    materialise,
-    to_int,
-)
+from kvblocks.values import INT64_MAX, INT64_MIN, exact_str, materialise, to_int
 
 __all__ = [
     "DEFAULT_SEED",

@@ -26,14 +26,10 @@ from kvblocks.reference.block_pool import BlockPool
 from kvblocks.reference.borrow import reads, unguarded, writes
 from kvblocks.reference.hashing import extras_attrs, read_extras
 from kvblocks.reference.kv_cache_utils import (
-    PrefixCacheStats,
     check_block_ids,
     check_non_negative,
     check_num_full_blocks,
     check_positive,
-    to_int,
-    to_int_list,
-    to_request_id,
 )
 from kvblocks.reference.request_fields import (
     ID,
@@ -42,6 +38,7 @@ from kvblocks.reference.request_fields import (
     read_request,
     token_slice,
 )
+from kvblocks.values import PrefixCacheStats, to_int, to_int_list, to_request_id
 
 if TYPE_CHECKING:
     from kvblocks.events import BlockStored, KVCacheEvent

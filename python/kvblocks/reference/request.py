@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, SupportsIndex
 
 from kvblocks.reference.hashing import check_token_ids
-from kvblocks.reference.kv_cache_utils import to_block_hashes, to_int, to_request_id
+from kvblocks.reference.kv_cache_utils import to_block_hashes
+from kvblocks.values import to_int, to_request_id
 
 __all__ = ["Request"]
 

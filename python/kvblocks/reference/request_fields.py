@@ -15,13 +15,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvblocks.reference.kv_cache_utils import (
-    check_block_hash,
-    to_block_hash,
-    to_block_hashes,
-    to_int,
-    to_request_id,
-)
+from kvblocks.reference.kv_cache_utils import check_block_hash, to_block_hashes
+from kvblocks.values import to_block_hash, to_int, to_request_id
 
 __all__ = [
     "ID",

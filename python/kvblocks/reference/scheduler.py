@@ -40,22 +40,20 @@ from typing import Protocol, SupportsIndex
 
 from kvblocks.constants import LOAD_FAILURE_POLICIES, ROLLBACK_MODES, cdiv, either
 from kvblocks.errors import UnsupportedLayoutError
-from kvblocks.reference.kv_cache_utils import (
-    check_non_negative,
-    check_positive,
-    materialise,
-    to_field_set,
-    to_int,
-    to_int_list,
-    to_request_id,
-    to_uint,
-    to_unsigned_list,
-)
+from kvblocks.reference.kv_cache_utils import check_non_negative, check_positive
 from kvblocks.reference.request_fields import (
     ID,
     PROGRESS,
     num_computed_tokens_of,
     read_request,
+)
+from kvblocks.values import (
+    InvalidBlocksOutcome,
+    RollbackResult,
+    materialise,
+    to_int,
+    to_int_list,
+    to_request_id,
 )
 
 __all__ = [
@@ -108,64 +106,6 @@ class EvictingBlockTableSource(BlockTableSource, Protocol):
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Remove the blocks from the prefix cache."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class RollbackResult:
-    """What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
-
-    Attributes:
-        num_computed_tokens: The new value for every request of the batch, in order
-            (unchanged for requests that were not affected).
-        affected: Indices of the affected requests, in iteration order.
-        total_affected_tokens: Tokens rolled back over the batch, as vLLM counts them
-            for its log line. Never negative.
-        blocks_to_evict: Sorted block ids to remove from the prefix cache; empty unless
-            evictions were collected.
-    """
-
-    num_computed_tokens: list[int]
-    affected: list[int]
-    total_affected_tokens: int
-    blocks_to_evict: list[int]
-    # Unhashable, as natively: its fields are lists.
-    __hash__ = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "num_computed_tokens", to_int_list(self.num_computed_tokens))
-        object.__setattr__(self, "affected", to_unsigned_list(self.affected))
-        object.__setattr__(self, "total_affected_tokens", to_uint(self.total_affected_tokens, 128))
-        object.__setattr__(self, "blocks_to_evict", to_int_list(self.blocks_to_evict))
-
-
-@dataclass(frozen=True, slots=True)
-class InvalidBlocksOutcome:
-    """What a load-failure handler did and what the scheduler must do next.
-
-    Attributes:
-        failed_req_ids: Requests to finish with ``FINISHED_ERROR`` (``fail`` policy).
-        rescheduled_req_ids: Running requests rolled back that the next step recomputes;
-            their output of this step must be discarded (``recompute`` policy).
-        retry_req_ids: Requests still waiting for remote KVs whose load must be retried
-            from their new ``num_computed_tokens`` once it finishes (``recompute``
-            policy; vLLM's ``failed_recving_kv_req_ids``).
-        evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
-        total_affected_tokens: Tokens rolled back (or lost with the failed requests).
-    """
-
-    failed_req_ids: set[str]
-    rescheduled_req_ids: set[str]
-    retry_req_ids: set[str]
-    evicted_block_ids: set[int]
-    total_affected_tokens: int
-    # Unhashable, as natively: its fields are sets.
-    __hash__ = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        for name in ("failed_req_ids", "rescheduled_req_ids", "retry_req_ids"):
-            object.__setattr__(self, name, to_field_set(getattr(self, name), to_request_id))
-        object.__setattr__(self, "evicted_block_ids", to_field_set(self.evicted_block_ids, to_int))
-        object.__setattr__(self, "total_affected_tokens", to_uint(self.total_affected_tokens, 128))
 
 
 def rollback_invalid_blocks(

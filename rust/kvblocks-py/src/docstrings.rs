@@ -318,38 +318,6 @@ Walks the whole state and checks every invariant of the class docstring.
 Raises:
     InvariantError: naming the first broken rule."
     };
-    (InvalidBlocksOutcome) => {
-r"InvalidBlocksOutcome(failed_req_ids, rescheduled_req_ids, retry_req_ids, evicted_block_ids, total_affected_tokens)
---
-
-What a load-failure handler did and what the scheduler must do next.
-
-Attributes:
-    failed_req_ids: Requests to finish with ``FINISHED_ERROR`` (``fail`` policy).
-    rescheduled_req_ids: Running requests rolled back that the next step recomputes;
-        their output of this step must be discarded (``recompute`` policy).
-    retry_req_ids: Requests still waiting for remote KVs whose load must be retried
-        from their new ``num_computed_tokens`` once it finishes (``recompute``
-        policy; vLLM's ``failed_recving_kv_req_ids``).
-    evicted_block_ids: Blocks passed to ``kv_cache_manager.evict_blocks``.
-    total_affected_tokens: Tokens rolled back (or lost with the failed requests)."
-    };
-    (KVCacheBlock) => {
-r"KVCacheBlock(block_id, ref_cnt, block_hash, group_id, is_null)
---
-
-A read-only snapshot of one block, as returned by ``BlockPool.get_block``.
-
-Attributes:
-    block_id: The block's id, ``0 .. num_blocks - 1``.
-    ref_cnt: How many holders (block tables, touches) the block has. Always 0 for
-        the null block, whose count is not tracked.
-    block_hash: The prefix-cache hash of the block's tokens, or ``None`` when the
-        block is not cached.
-    group_id: The KV cache group the hash was cached for; ``None`` exactly when
-        ``block_hash`` is ``None``.
-    is_null: True only for block 0, the null block."
-    };
     (KVCacheManager) => {
 r#"KVCacheManager(num_blocks, block_size, *, enable_caching=True, max_model_len=None, log_stats=False, enable_kv_cache_events=False, kv_events_last_copy_removal=False)
 --
@@ -539,22 +507,6 @@ r"make_prefix_cache_stats($self)
 
 The stats since the last call (then reset), or ``None`` without ``log_stats``."
     };
-    (PrefixCacheStats) => {
-r"PrefixCacheStats(requests=0, queries=0, hits=0, reset=False)
---
-
-Prefix-cache counters since the last ``KVCacheManager.make_prefix_cache_stats()``.
-
-Attributes:
-    requests: Requests recorded (one per admission that looked the cache up).
-    queries: Tokens looked up: the sum of the recorded requests' ``num_tokens``.
-    hits: Tokens found in the prefix cache.
-    reset: Whether ``KVCacheManager.reset_prefix_cache()`` emptied the cache meanwhile
-        (vLLM's flag of that name).
-
-Counters only ever grow: ``KVCacheManager.record_prefix_cache_stats`` refuses negative
-or impossible values, and nothing decrements them."
-    };
     (Request) => {
 r"Request(request_id, prompt_token_ids, *, block_hasher=None, lora_request=None, cache_salt=None, mm_features=(), prompt_embeds=None)
 --
@@ -629,21 +581,6 @@ Raises:
     TypeError: A hash the hasher returned is not ``bytes``.
     ValueError: A hash the hasher returned is longer than 32 bytes.
     Exception: Whatever the hasher raises; ``block_hashes`` is then unchanged."
-    };
-    (RollbackResult) => {
-r"RollbackResult(num_computed_tokens, affected, total_affected_tokens, blocks_to_evict)
---
-
-What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
-
-Attributes:
-    num_computed_tokens: The new value for every request of the batch, in order
-        (unchanged for requests that were not affected).
-    affected: Indices of the affected requests, in iteration order.
-    total_affected_tokens: Tokens rolled back over the batch, as vLLM counts them
-        for its log line. Never negative.
-    blocks_to_evict: Sorted block ids to remove from the prefix cache; empty unless
-        evictions were collected."
     };
     (handle_failed_recving) => {
 r#"handle_failed_recving(failed_req_ids, waiting_for_remote_kvs, *, policy='fail')

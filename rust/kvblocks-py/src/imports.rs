@@ -22,6 +22,11 @@ impl LazyImport {
         }
     }
 
+    /// The name it is imported as.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+
     /// The object, imported on the first call.
     ///
     /// # Errors
@@ -45,3 +50,10 @@ pub static USE_INT_BLOCK_HASHES: LazyImport =
 pub static BLOCK_STORED: LazyImport = LazyImport::new("kvblocks.events", "BlockStored");
 pub static BLOCK_REMOVED: LazyImport = LazyImport::new("kvblocks.events", "BlockRemoved");
 pub static ALL_BLOCKS_CLEARED: LazyImport = LazyImport::new("kvblocks.events", "AllBlocksCleared");
+/// The value classes both backends return, and `object`, whose `__new__` makes one.
+pub static KV_CACHE_BLOCK: LazyImport = LazyImport::new("kvblocks.values", "KVCacheBlock");
+pub static PREFIX_CACHE_STATS: LazyImport = LazyImport::new("kvblocks.values", "PrefixCacheStats");
+pub static ROLLBACK_RESULT: LazyImport = LazyImport::new("kvblocks.values", "RollbackResult");
+pub static INVALID_BLOCKS_OUTCOME: LazyImport =
+    LazyImport::new("kvblocks.values", "InvalidBlocksOutcome");
+pub static OBJECT: LazyImport = LazyImport::new("builtins", "object");

@@ -15,6 +15,7 @@ mod pool;
 mod request;
 mod request_fields;
 mod rollback;
+mod values;
 mod vllm;
 
 use pyo3::prelude::*;
@@ -22,13 +23,18 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
-    m.add_class::<pool::PyKVCacheBlock>()?;
     m.add_class::<manager::PyKVCacheManager>()?;
-    m.add_class::<manager::PyPrefixCacheStats>()?;
     m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<request::PyRequest>()?;
-    m.add_class::<rollback::PyRollbackResult>()?;
-    m.add_class::<rollback::PyInvalidBlocksOutcome>()?;
+    // The value classes, which both backends share.
+    for class in [
+        &imports::KV_CACHE_BLOCK,
+        &imports::PREFIX_CACHE_STATS,
+        &imports::ROLLBACK_RESULT,
+        &imports::INVALID_BLOCKS_OUTCOME,
+    ] {
+        m.add(class.name(), class.get(m.py())?)?;
+    }
     // kvblocks.vllm's native half, outside the backend API (`__all__`).
     m.add_class::<vllm::PyVllmManager>()?;
     m.add_class::<vllm::PyKVCacheBlocks>()?;

@@ -1,4 +1,4 @@
-//! `KVCacheManager` and `PrefixCacheStats` for Python: request conversion around
+//! `KVCacheManager` for Python: request conversion around
 //! `kvblocks_core::manager::KVCacheManager`. Block tables stay in Rust.
 
 // The Python-visible items' docs are the reference's docstrings (reST, from
@@ -8,74 +8,17 @@
 use std::sync::OnceLock;
 
 use kvblocks_core::events::EventLog;
-use kvblocks_core::manager::{KVCacheManager as CoreManager, PrefixCacheStats, SlotRequest};
+use kvblocks_core::manager::{KVCacheManager as CoreManager, SlotRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{self, int_column, BoolField, Flag};
+use crate::convert::{self, int_column, Flag};
 use crate::errors::IntoPyResult;
 use crate::events::{take_events, with_request, EventSource, EventState};
 use crate::pool::{pool_view, PoolHost, PyBlockPool};
 use crate::request_fields::{FieldSet, RequestFields};
-
-#[doc = docstring!(PrefixCacheStats)]
-#[pyclass(
-    module = "kvblocks._native",
-    name = "PrefixCacheStats",
-    frozen,
-    eq,
-    hash
-)]
-#[derive(PartialEq, Eq, Hash)]
-pub struct PyPrefixCacheStats {
-    #[pyo3(get)]
-    requests: u64,
-    #[pyo3(get)]
-    queries: u64,
-    #[pyo3(get)]
-    hits: u64,
-    #[pyo3(get)]
-    reset: bool,
-}
-
-#[pymethods]
-impl PyPrefixCacheStats {
-    #[new]
-    #[pyo3(signature = (requests=0, queries=0, hits=0, reset=BoolField::FALSE), text_signature = None)]
-    fn new(requests: u64, queries: u64, hits: u64, reset: BoolField) -> Self {
-        let BoolField(reset) = reset;
-        Self {
-            requests,
-            queries,
-            hits,
-            reset,
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "PrefixCacheStats(requests={}, queries={}, hits={}, reset={})",
-            self.requests,
-            self.queries,
-            self.hits,
-            if self.reset { "True" } else { "False" }
-        )
-    }
-}
-
-impl From<PrefixCacheStats> for PyPrefixCacheStats {
-    fn from(s: PrefixCacheStats) -> Self {
-        // A strict manager's counters never go negative.
-        let count = |n: i64| u64::try_from(n).unwrap_or_default();
-        Self {
-            requests: count(s.requests),
-            queries: count(s.queries),
-            hits: count(s.hits),
-            reset: s.reset,
-        }
-    }
-}
+use crate::values::prefix_cache_stats;
 
 #[doc = docstring!(KVCacheManager)]
 #[pyclass(module = "kvblocks._native", name = "KVCacheManager", subclass)]
@@ -314,9 +257,13 @@ impl PyKVCacheManager {
 
     #[doc = docstring!(KVCacheManager.make_prefix_cache_stats)]
     #[pyo3(text_signature = None)]
-    fn make_prefix_cache_stats(&mut self) -> Option<PyPrefixCacheStats> {
+    fn make_prefix_cache_stats<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         self.inner
             .make_prefix_cache_stats()
-            .map(PyPrefixCacheStats::from)
+            .map(|stats| prefix_cache_stats(py, stats))
+            .transpose()
     }
 }

@@ -1,99 +1,22 @@
-//! `BlockPool` and `KVCacheBlock` for Python: argument conversion around
+//! `BlockPool` for Python: argument conversion around
 //! `kvblocks_core::pool::BlockPool`.
 
 // The Python-visible items' docs are the reference's docstrings (reST, from
 // `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
-use kvblocks_core::pool::{BlockInfo, BlockPool as CorePool};
+use kvblocks_core::pool::BlockPool as CorePool;
 use std::sync::OnceLock;
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::pyclass::boolean_struct::False;
-use pyo3::types::PyBytes;
 use pyo3::PyClass;
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::convert::{
-    block_hash, hash_bytes, int_column, to_list, BoolField, Flag, Given, HashSeq, IntColumn,
-    U32Field,
-};
+use crate::convert::{block_hash, int_column, to_list, Flag, Given, HashSeq, IntColumn};
 use crate::errors::{IntoPyResult, StashedError};
-
-#[doc = docstring!(KVCacheBlock)]
-#[pyclass(module = "kvblocks._native", name = "KVCacheBlock", frozen, eq, hash)]
-#[derive(PartialEq, Eq, Hash)]
-pub struct PyKVCacheBlock {
-    #[pyo3(get)]
-    block_id: u32,
-    #[pyo3(get)]
-    ref_cnt: u32,
-    block_hash: Option<Vec<u8>>,
-    #[pyo3(get)]
-    group_id: Option<u32>,
-    #[pyo3(get)]
-    is_null: bool,
-}
-
-impl From<BlockInfo> for PyKVCacheBlock {
-    fn from(info: BlockInfo) -> Self {
-        Self {
-            block_id: info.block_id,
-            ref_cnt: info.ref_cnt,
-            block_hash: info.block_hash.map(|h| h.as_bytes().to_vec()),
-            group_id: info.group_id,
-            is_null: info.is_null,
-        }
-    }
-}
-
-#[pymethods]
-impl PyKVCacheBlock {
-    #[new]
-    #[pyo3(signature = (block_id, ref_cnt, block_hash, group_id, is_null), text_signature = None)]
-    fn new(
-        block_id: U32Field,
-        ref_cnt: U32Field,
-        block_hash: Option<&Bound<'_, PyAny>>,
-        group_id: Option<U32Field>,
-        is_null: BoolField,
-    ) -> PyResult<Self> {
-        let (U32Field(block_id), U32Field(ref_cnt), BoolField(is_null)) =
-            (block_id, ref_cnt, is_null);
-        let group_id = group_id.map(|U32Field(id)| id);
-        let block_hash = block_hash
-            .map(|h| hash_bytes(h).map(|hash| hash.as_bytes().to_vec()))
-            .transpose()?;
-        Ok(Self {
-            block_id,
-            ref_cnt,
-            block_hash,
-            group_id,
-            is_null,
-        })
-    }
-
-    #[getter]
-    fn block_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        self.block_hash.as_deref().map(|h| PyBytes::new(py, h))
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let hash = match self.block_hash(py) {
-            Some(h) => h.repr()?.to_string(),
-            None => "None".to_owned(),
-        };
-        let group = self
-            .group_id
-            .map_or_else(|| "None".to_owned(), |g| g.to_string());
-        let is_null = if self.is_null { "True" } else { "False" };
-        Ok(format!(
-            "KVCacheBlock(block_id={}, ref_cnt={}, block_hash={hash}, group_id={group}, is_null={is_null})",
-            self.block_id, self.ref_cnt
-        ))
-    }
-}
+use crate::values::kv_cache_block;
 
 /// A Python object whose state holds a core block pool (a manager), which block pool
 /// views, block views and results reach through a [`PoolHandle`].
@@ -402,10 +325,9 @@ impl PyBlockPool {
 
     #[doc = docstring!(BlockPool.get_block)]
     #[pyo3(text_signature = None)]
-    fn get_block(&self, py: Python<'_>, block_id: i64) -> PyResult<PyKVCacheBlock> {
-        self.with(py, |p| p.block(block_id))?
-            .py()
-            .map(PyKVCacheBlock::from)
+    fn get_block<'py>(&self, py: Python<'py>, block_id: i64) -> PyResult<Bound<'py, PyAny>> {
+        let block = self.with(py, |p| p.block(block_id))?.py()?;
+        kv_cache_block(py, block)
     }
 
     #[doc = docstring!(BlockPool.free_block_ids)]

@@ -12,7 +12,7 @@ use super::{to_list, type_name};
 use crate::errors::IntoPyResult;
 
 /// A Python block hash as `bytes` (the type check alone).
-pub fn hash_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+fn hash_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     obj.cast::<PyBytes>().cloned().map_err(|_| {
         PyTypeError::new_err(format!("block hash must be bytes, got {}", type_name(obj)))
     })

@@ -19,14 +19,14 @@ mod hashes;
 mod ints;
 
 pub use choice::ChoiceArg;
-pub use hashes::{block_hash, block_hashes, hash_bytes, HashSeq};
+pub use hashes::{block_hash, block_hashes, HashSeq};
 pub use ints::{int_column, token_id, token_ids, IntColumn};
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyBool, PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple};
 use pyo3::Borrowed;
 
 /// An argument whose default is not `None`: absent, or exactly the object passed (so
@@ -73,17 +73,6 @@ pub fn to_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     Ok(list)
 }
 
-/// `operator.index(obj)` as an unsigned `T`: `TypeError` for a non-integer,
-/// `OverflowError` for a negative or too large one.
-pub fn index_uint<T: for<'a, 'py> FromPyObject<'a, 'py, Error = PyErr>>(
-    obj: &Bound<'_, PyAny>,
-) -> PyResult<T> {
-    // SAFETY: GIL held; returns a new reference or null with an error set.
-    let index =
-        unsafe { Bound::from_owned_ptr_or_err(obj.py(), ffi::PyNumber_Index(obj.as_ptr())) }?;
-    index.extract()
-}
-
 /// A request id: an exact `str`'s contents (a subclass is read as them), or the
 /// reference's `TypeError("{name} must be a str, got {type}")`; `UnicodeEncodeError` for a
 /// lone surrogate.
@@ -122,55 +111,5 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         obj.is_truthy().map(Self)
-    }
-}
-
-/// A 32-bit unsigned field of a value class, as the reference's `to_uint(value, 32)`
-/// reads it: any int outside `0..2**32` is the same `OverflowError`, however large and
-/// whatever the platform's C `long` (`PyO3`'s `u32` reports a value past 64 bits, or a
-/// negative one on Windows, differently).
-#[derive(Clone, Copy)]
-pub struct U32Field(pub u32);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for U32Field {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let fits = match index_uint::<u128>(&obj) {
-            Ok(number) => u32::try_from(number).ok(),
-            Err(err) if err.is_instance_of::<PyOverflowError>(obj.py()) => None,
-            Err(err) => return Err(err),
-        };
-        fits.map(Self).ok_or_else(|| {
-            PyOverflowError::new_err("out of range integral type conversion attempted")
-        })
-    }
-}
-
-/// A `bool` field of a value class, as the reference's `to_flag` reads it: a `bool`, or
-/// `NumPy`'s; anything else is a `TypeError` naming its type.
-#[derive(Clone, Copy)]
-pub struct BoolField(pub bool);
-
-impl BoolField {
-    /// `False`, for signature defaults.
-    pub const FALSE: Self = Self(false);
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for BoolField {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if let Ok(flag) = obj.cast::<PyBool>() {
-            return Ok(Self(flag.is_true()));
-        }
-        let kind = obj.get_type();
-        let name = kind.name()?;
-        if kind.module()?.to_str()? == "numpy" && matches!(name.to_str()?, "bool" | "bool_") {
-            return obj.is_truthy().map(Self);
-        }
-        Err(PyTypeError::new_err(format!(
-            "'{name}' object is not an instance of 'bool'"
-        )))
     }
 }

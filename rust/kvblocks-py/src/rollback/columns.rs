@@ -16,7 +16,7 @@ use crate::manager::PyKVCacheManager;
 use crate::request_fields::{FieldSet, RequestFields};
 use crate::vllm::PyVllmManager;
 
-use super::outcome::ordered_set;
+use crate::values::ordered_set;
 
 /// The error for a request given twice in one call (its id shown as Python's `repr`).
 fn appears_twice(py: Python<'_>, request_id: &str) -> PyErr {

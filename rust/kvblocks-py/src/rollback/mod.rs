@@ -5,17 +5,14 @@
 //! changes nothing. With a native `KVCacheManager` the block tables are read in place
 //! from Rust; any other manager is asked through `get_block_ids`, once per request.
 //!
-//! One file per job: the entry points here, the result classes (`outcome.rs`), and the
-//! requests' columns and write-back target the core reads (`columns.rs`).
+//! One file per job: the entry points here, and the requests' columns and write-back
+//! target the core reads (`columns.rs`).
 
 // The Python-visible items' docs are the reference's docstrings (reST, from
 // `docstrings.rs`), not rustdoc markdown, so the markdown lint does not apply.
 #![allow(clippy::doc_markdown)]
 
 mod columns;
-mod outcome;
-
-pub use outcome::{PyInvalidBlocksOutcome, PyRollbackResult};
 
 use std::collections::HashSet;
 
@@ -28,9 +25,9 @@ use crate::convert::{int_column, request_id, to_list, ChoiceArg, Flag, Given, In
 use crate::errors::{IntoPyResult, StashedError};
 use crate::manager::PyKVCacheManager;
 use crate::request_fields::{num_computed_tokens_of, FieldSet, RequestFields};
+use crate::values::{ordered_set, rollback_result, InvalidBlocksOutcome};
 use crate::vllm::PyVllmManager;
 use columns::{check_unique, fetch_tables, NativeManager, RequestColumns, Target};
-use outcome::ordered_set;
 
 /// Every table of a batch, as integer columns borrowed or converted from Python.
 fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
@@ -50,15 +47,15 @@ fn table_columns(block_tables: &Bound<'_, PyAny>) -> PyResult<Vec<IntColumn>> {
     text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
-pub fn rollback_invalid_blocks(
-    block_tables: &Bound<'_, PyAny>,
+pub fn rollback_invalid_blocks<'py>(
+    block_tables: &Bound<'py, PyAny>,
     num_computed_tokens: &Bound<'_, PyAny>,
     num_scheduled_tokens: &Bound<'_, PyAny>,
     invalid_block_ids: &Bound<'_, PyAny>,
     block_size: i64,
     collect_evictions: Flag,
     mode: ChoiceArg<Mode>,
-) -> PyResult<PyRollbackResult> {
+) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode.get()?;
     let tables = table_columns(block_tables)?;
     let computed = int_column(num_computed_tokens)?;
@@ -79,7 +76,7 @@ pub fn rollback_invalid_blocks(
         Tolerance::Strict,
     )
     .py()
-    .map(PyRollbackResult::from)
+    .and_then(|rollback| rollback_result(block_tables.py(), rollback))
 }
 
 fn num_kv_cache_groups(manager: &Bound<'_, PyAny>) -> PyResult<i64> {
@@ -195,7 +192,7 @@ pub fn handle_invalid_blocks<'py>(
     waiting_for_remote_kvs: Given<'py>,
     policy: ChoiceArg<Policy>,
     mode: ChoiceArg<Mode>,
-) -> PyResult<PyInvalidBlocksOutcome> {
+) -> PyResult<Bound<'py, PyAny>> {
     let (policy, mode) = (policy.get()?, mode.get()?);
     // Fail closed before any request is looked at, as vLLM does.
     check_single_group(kv_cache_manager)?;
@@ -245,14 +242,15 @@ pub fn handle_invalid_blocks<'py>(
     };
     let applied = outcome.apply(&sequence, &mut target);
     stash.finish(applied)?;
-    Ok(PyInvalidBlocksOutcome {
+    InvalidBlocksOutcome {
         failed_waiting: waiting.ids_of(outcome.failed_waiting()).collect(),
         failed_running: sync.ids_of(outcome.failed_running()).collect(),
         rescheduled_req_ids: sync.ids_of(outcome.rescheduled_running()).collect(),
         retry_req_ids: waiting.ids_of(outcome.retry_waiting()).collect(),
         evicted_block_ids: sequence,
         total_affected_tokens: outcome.total_affected_tokens(),
-    })
+    }
+    .into_value(py)
 }
 
 #[doc = docstring!(handle_failed_recving)]
@@ -262,13 +260,13 @@ pub fn handle_invalid_blocks<'py>(
     text_signature = None
 )]
 #[allow(clippy::needless_pass_by_value)]
-pub fn handle_failed_recving(
-    failed_req_ids: &Bound<'_, PyAny>,
-    waiting_for_remote_kvs: &Bound<'_, PyAny>,
+pub fn handle_failed_recving<'py>(
+    py: Python<'py>,
+    failed_req_ids: &Bound<'py, PyAny>,
+    waiting_for_remote_kvs: &Bound<'py, PyAny>,
     policy: ChoiceArg<Policy>,
-) -> PyResult<PyInvalidBlocksOutcome> {
+) -> PyResult<Bound<'py, PyAny>> {
     let policy = policy.get()?;
-    let py = failed_req_ids.py();
     // Every id is read once, as its exact contents: ids compare by content, never by a
     // subclass's `__eq__` or `__hash__`.
     let reported = to_list(failed_req_ids)?
@@ -303,12 +301,13 @@ pub fn handle_failed_recving(
         Policy::Recompute => (Vec::new(), matched_ids),
         Policy::Fail => (matched_ids, Vec::new()),
     };
-    Ok(PyInvalidBlocksOutcome {
+    InvalidBlocksOutcome {
         failed_waiting,
         failed_running: Vec::new(),
         rescheduled_req_ids: Vec::new(),
         retry_req_ids,
         evicted_block_ids: Vec::new(),
         total_affected_tokens: decided.total_affected_tokens,
-    })
+    }
+    .into_value(py)
 }
