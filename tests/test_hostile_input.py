@@ -8,8 +8,10 @@ process, so a regression is a reported failure with its reproducer, not a dead r
 
 from __future__ import annotations
 
+import array
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -719,6 +721,20 @@ def test_ints_past_64_bits_raise_overflow_error(backend: ModuleType, call: Any) 
     result = outcome(lambda: call(backend))
     assert result[:2] == ("error", OverflowError)
     assert not issubclass(result[1], KVBlocksError)
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 2**200])
+def test_ints_past_64_bits_are_named_as_this_platforms_c_reader_names_them(
+    backend: ModuleType, value: int
+) -> None:
+    # PyO3 reads a 64-bit int through C's `long` where that is 64 bits wide, and through
+    # `long long` where it is not (Windows): CPython words the two overflows differently.
+    typecode = "l" if struct.calcsize("l") == 8 else "q"
+    with pytest.raises(OverflowError) as c_reader:
+        array.array(typecode, [value])
+    with pytest.raises(OverflowError) as call:
+        backend.BlockPool(8).get_block(value)
+    assert str(call.value) == str(c_reader.value)
 
 
 # ------------------------------------------------------------------ value classes

@@ -12,6 +12,7 @@ them (the same classes and messages). The reference's entry points use them too.
 from __future__ import annotations
 
 import operator
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, SupportsIndex
@@ -38,6 +39,14 @@ __all__ = [
 #: Ints cross the boundary as signed 64-bit values, as the native backend reads them.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+#: CPython's message for an int beyond 64 bits, as PyO3 reads one: through C's ``long``
+#: where that is 64 bits wide, and through ``long long`` where it is not (Windows).
+INT64_OVERFLOW = (
+    "Python int too large to convert to C long"
+    if struct.calcsize("l") == 8
+    else "int too big to convert"
+)
 
 #: A full slice, for copying a ``bytes`` subclass's contents (see :func:`to_block_hash`).
 _ALL = slice(None)
@@ -69,7 +78,7 @@ def to_int(value: SupportsIndex) -> int:
     """
     number = operator.index(value)
     if not INT64_MIN <= number <= INT64_MAX:
-        raise OverflowError("Python int too large to convert to C long")
+        raise OverflowError(INT64_OVERFLOW)
     return number
 
 
