@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pickle
 import re
 from types import SimpleNamespace
 from typing import Any
@@ -101,6 +102,7 @@ def test_native_values_are_what_their_constructor_makes_of_them(value: Any) -> N
         f.name: type(getattr(rebuilt, f.name)) for f in dataclasses.fields(rebuilt)
     }
     assert repr(rebuilt) == repr(value)
+    assert pickle.loads(pickle.dumps(value)) == value
 
 
 def dataclass_fields(cls: type) -> set[str]:

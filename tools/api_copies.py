@@ -378,6 +378,7 @@ def render_stub(ref: ModuleType, hand_written: str) -> str:
     for name in names:
         obj = getattr(ref, name)
         if shared(obj):
+            # Re-exported as itself: `from kvblocks.values import X as X`.
             annotations.aliases[(SHARED, name)] = name
         elif isinstance(obj, type):
             blocks.append("\n".join(class_stub(obj, annotations)))
