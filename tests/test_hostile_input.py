@@ -772,7 +772,7 @@ def test_value_classes_check_their_fields(backend: ModuleType, make: Any, error:
         (-1, 0, None, None, False),
         (2**32, 0, None, None, False),
         (1, 0, None, 2**32, False),
-        # Past 64 bits either way: the same message (PyO3's u32 would name C's long).
+        # Past 64 bits either way: the same message.
         (-(2**63) - 1, 0, None, None, False),
         (1, 2**64, None, None, False),
         (1, 0, None, 2**200, False),

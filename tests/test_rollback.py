@@ -666,3 +666,30 @@ def test_results_compare_as_values(backend: ModuleType) -> None:
     assert outcome == backend.InvalidBlocksOutcome(set(), {"a"}, set(), {7}, 16)
     assert outcome != backend.InvalidBlocksOutcome(set(), {"b"}, set(), {7}, 16)
     assert outcome.__eq__("outcome") is NotImplemented
+
+
+class OrderRecordingManager:
+    """One request's table ``[1, 2, 7, 15]``; records each eviction in the order given."""
+
+    block_size = 4
+    num_kv_cache_groups = 1
+
+    def __init__(self) -> None:
+        self.evicted: list[list[int]] = []
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return ([1, 2, 7, 15],)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted.append(list(block_ids))
+
+
+def test_outcome_sets_keep_the_order_they_were_built_in(backend: ModuleType) -> None:
+    # Blocks 7 and 15 share a slot of a small set's table, so a set built again from the
+    # evicted one iterates 2, 7, 15: the outcome hands out vLLM's set itself.
+    manager = OrderRecordingManager()
+    outcome_ = backend.handle_invalid_blocks(
+        manager, [2], {"r": 0}, running=[Req("r", 16)], policy="fail"
+    )
+    assert manager.evicted == [[2, 15, 7]]
+    assert list(outcome_.evicted_block_ids) == [2, 15, 7]

@@ -414,7 +414,6 @@ RUST_DEFAULTS: dict[str, object] = {
     "None": None,
     "Flag::TRUE": True,
     "Flag::FALSE": False,
-    "BoolField::FALSE": False,
     "ChoiceArg::default(Mode::Vllm)": "vllm",
     "ChoiceArg::default(Policy::Fail)": "fail",
 }

@@ -2,11 +2,11 @@
 
 ``KVCacheBlock``, ``PrefixCacheStats``, ``RollbackResult`` and ``InvalidBlocksOutcome``
 are defined here once: ``kvblocks.reference`` and ``kvblocks._native`` export these very
-classes. The native backend builds them from its core's results, which already hold the
-fields' types; a caller who builds one gets its fields converted by ``__post_init__``.
+classes. A caller who builds one gets its fields converted by ``__post_init__``; a backend
+builds what it returns with :func:`build`, from results that already hold the fields' types.
 
-The converters read a caller's ints, ids, hashes and flags as the native backend reads
-them (the same classes and messages). The reference's entry points use them too.
+The converters read a caller's ints, ids and hashes as the native backend reads its
+arguments (the same classes and messages); the reference's entry points use them too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import operator
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, SupportsIndex
+from typing import Any, SupportsIndex, TypeVar
 
 __all__ = [
     "INT64_MAX",
@@ -24,6 +24,7 @@ __all__ = [
     "KVCacheBlock",
     "PrefixCacheStats",
     "RollbackResult",
+    "build",
     "exact_str",
     "materialise",
     "to_block_hash",
@@ -155,7 +156,7 @@ def to_field_set(value: object, item: Callable[[Any], Any]) -> set[Any]:
 
 
 def to_flag(value: object) -> bool:
-    """A ``bool`` field: a ``bool``, or NumPy's, as the native backend takes a flag.
+    """A ``bool`` field: a ``bool``, or NumPy's.
 
     Raises:
         TypeError: ``value`` is neither.
@@ -209,6 +210,29 @@ def to_block_hash(value: object) -> bytes:
 
 
 # --------------------------------------------------------------------------- values
+
+ValueT = TypeVar("ValueT")
+
+
+def build(cls: type[ValueT], **fields: object) -> ValueT:
+    """An instance of the value class ``cls`` with ``fields`` set as they are.
+
+    What a backend returns is built from its own results, which already hold the fields'
+    types, so ``__post_init__``'s conversion of a caller's arguments is skipped. A set then
+    keeps the order it was built in: vLLM frees and reports requests in the order it
+    inserts them, and building a set again can change the order it iterates in. The native
+    backend builds its values the same way (``values.rs``).
+
+    Raises:
+        TypeError: ``fields`` does not name each of ``cls``'s fields.
+    """
+    names: tuple[str, ...] = getattr(cls, "__match_args__", ())
+    if sorted(fields) != sorted(names):
+        raise TypeError(f"{cls.__name__} has the fields {names}, got {tuple(fields)}")
+    value = object.__new__(cls)
+    for name, field in fields.items():
+        object.__setattr__(value, name, field)
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,7 @@ def to_block_hashes(values: Iterable[object]) -> list[bytes]:
     """Block hashes checked as a batch: every type first, then every length.
 
     Raises:
-        TypeError: as :func:`to_block_hash`, for the first non-``bytes`` value.
+        TypeError: as ``kvblocks.values.to_block_hash``, for the first non-``bytes`` value.
         ValueError: as :func:`check_block_hash`, for the first hash too long.
     """
     hashes = [to_block_hash(value) for value in materialise(values)]

@@ -50,6 +50,7 @@ from kvblocks.reference.request_fields import (
 from kvblocks.values import (
     InvalidBlocksOutcome,
     RollbackResult,
+    build,
     materialise,
     to_int,
     to_int_list,
@@ -324,14 +325,16 @@ def handle_invalid_blocks(
 
     total_affected_tokens = async_result.total_affected_tokens + sync_result.total_affected_tokens
     if recompute:
-        return InvalidBlocksOutcome(
+        return build(
+            InvalidBlocksOutcome,
             failed_req_ids=set(),
             rescheduled_req_ids=sync_affected,
             retry_req_ids=async_affected,
             evicted_block_ids=evicted_block_ids,
             total_affected_tokens=total_affected_tokens,
         )
-    return InvalidBlocksOutcome(
+    return build(
+        InvalidBlocksOutcome,
         failed_req_ids=async_affected | sync_affected,
         rescheduled_req_ids=set(),
         retry_req_ids=set(),
@@ -370,7 +373,8 @@ def handle_failed_recving(
     if recompute:
         for request in matched:
             request.num_computed_tokens = 0
-    return InvalidBlocksOutcome(
+    return build(
+        InvalidBlocksOutcome,
         failed_req_ids=set() if recompute else matched_ids,
         rescheduled_req_ids=set(),
         retry_req_ids=matched_ids if recompute else set(),

@@ -5,6 +5,7 @@
 use kvblocks_core::manager::PrefixCacheStats;
 use kvblocks_core::pool::BlockInfo;
 use kvblocks_core::rollback::Rollback;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PySet};
 use pyo3::IntoPyObjectExt;
@@ -28,6 +29,14 @@ fn build<'py, const N: usize>(
         .get(py)?
         .call_method1(intern!(py, "__new__"), (class,))?;
     let names = class.getattr(intern!(py, "__match_args__"))?;
+    if names.len()? != N {
+        // A field added in Python and not here: refused, not left unset.
+        return Err(PyTypeError::new_err(format!(
+            "{} has the fields {}, the binding sets {N}",
+            class.repr()?,
+            names.repr()?
+        )));
+    }
     for (name, field) in names.try_iter()?.zip(fields) {
         let name = name?;
         // `object.__setattr__`, as a frozen dataclass's own `__post_init__` sets a field.
