@@ -295,7 +295,7 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True, slots=True)
 class RollbackResult:
-    """What :func:`rollback_invalid_blocks` decided; nothing has been changed yet.
+    """What ``rollback_invalid_blocks`` decided; nothing has been changed yet.
 
     Attributes:
         num_computed_tokens: The new value for every request of the batch, in order

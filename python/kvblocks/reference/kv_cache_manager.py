@@ -38,7 +38,7 @@ from kvblocks.reference.request_fields import (
     read_request,
     token_slice,
 )
-from kvblocks.values import PrefixCacheStats, to_int, to_int_list, to_request_id
+from kvblocks.values import PrefixCacheStats, build, to_int, to_int_list, to_request_id
 
 if TYPE_CHECKING:
     from kvblocks.events import BlockStored, KVCacheEvent
@@ -533,8 +533,12 @@ class KVCacheManager:
         stats = self._prefix_cache_stats
         if stats is not None:
             # Counters only grow: every recorded value was checked non-negative.
-            self._prefix_cache_stats = PrefixCacheStats(
-                stats.requests + 1, stats.queries + num_tokens, stats.hits + num_hits, stats.reset
+            self._prefix_cache_stats = build(
+                PrefixCacheStats,
+                requests=stats.requests + 1,
+                queries=stats.queries + num_tokens,
+                hits=stats.hits + num_hits,
+                reset=stats.reset,
             )
 
     @staticmethod

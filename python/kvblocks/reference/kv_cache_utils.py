@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvblocks.errors import UnknownBlockError
-from kvblocks.values import KVCacheBlock, materialise, to_block_hash
+from kvblocks.values import KVCacheBlock, build, materialise, to_block_hash
 
 __all__ = [
     "MAX_BLOCK_HASH_LEN",
@@ -182,7 +182,8 @@ class BlockState:
 
     def snapshot(self) -> KVCacheBlock:
         """A frozen copy of the block's public fields."""
-        return KVCacheBlock(
+        return build(
+            KVCacheBlock,
             block_id=self.block_id,
             ref_cnt=self.ref_cnt,
             block_hash=self.block_hash,

@@ -214,7 +214,8 @@ def _decide(  # noqa: PLR0917 (the primitive's columns, read and converted)
             total_affected_tokens += computed[i] - req_num_computed_tokens
             new_computed[i] = req_num_computed_tokens
 
-    result = RollbackResult(
+    result = build(
+        RollbackResult,
         num_computed_tokens=new_computed,
         affected=affected,
         total_affected_tokens=total_affected_tokens,
