@@ -676,8 +676,19 @@ def test_a_hashed_requests_extras_are_read_in_one_order(backend: ModuleType) -> 
     log: list[str] = []
     hashes = backend.BlockHasher(4)(logged_request(log, []))
     assert len(hashes) == 3
-    fields = ["request.prompt_embeds", "request.num_tokens", "request.block_hashes"]
+    fields = ["request.block_hashes", "request.num_tokens", "request.prompt_embeds"]
     assert log == [*fields, "request.all_token_ids", *EXTRAS_READ_ORDER]
+
+
+def test_a_request_with_no_new_full_block_is_read_as_vllm_reads_it(backend: ModuleType) -> None:
+    """vLLM's hasher returns early after ``block_hashes`` and ``num_tokens`` when no
+    block is full: so does kvblocks', before ``prompt_embeds``, which may be set."""
+    hasher = backend.BlockHasher(4)
+    log: list[str] = []
+    request = logged_request(log, hasher(logged_request([], [])))
+    request._attrs["prompt_embeds"] = [0.5]
+    assert hasher(request) == []
+    assert log == ["request.block_hashes", "request.num_tokens"]
 
 
 def test_a_cached_requests_extras_are_read_in_one_order_for_events(backend: ModuleType) -> None:

@@ -464,20 +464,21 @@ class BlockHasher:
             The new hashes, in block order, for the caller to append.
 
         Raises:
-            TypeError: When the request has ``prompt_embeds`` (not supported), or for
-                bad token ids or extra keys.
+            TypeError: When a block is to be hashed and the request has
+                ``prompt_embeds`` (not supported), or for bad token ids or extra keys.
             ValueError: For token ids outside the int64 range or too-deep extra keys.
         """
+        # vLLM's read order: a decoding step that fills no block reads two fields.
+        block_size = self._block_size
+        known = request.block_hashes
+        start = len(known) * block_size
+        num_tokens = to_int(request.num_tokens)
+        if start + block_size > num_tokens:
+            return []
         if getattr(request, "prompt_embeds", None) is not None:
             raise TypeError(
                 "requests with prompt_embeds are not supported: kvblocks hashes token ids only"
             )
-        block_size = self._block_size
-        num_tokens = to_int(request.num_tokens)
-        known = request.block_hashes
-        start = len(known) * block_size
-        if start + block_size > num_tokens:
-            return []
         parent = _check_parent(known[-1]) if known else None
         num_blocks = (num_tokens - start) // block_size
         tokens = check_token_ids(request.all_token_ids[start : start + num_blocks * block_size])

@@ -70,7 +70,8 @@ class Request:
             cache_salt: Mixed into the first block's hash when truthy.
             mm_features: Multimodal items sorted by offset, each with ``identifier``
                 and ``mm_position.offset`` / ``.length``.
-            prompt_embeds: Prompt embeddings; ``BlockHasher`` refuses requests with them.
+            prompt_embeds: Prompt embeddings; ``BlockHasher`` hashes no block of a request
+                that has them.
 
         Raises:
             TypeError: For a non-str id, a non-int token id or a non-callable hasher,
@@ -151,7 +152,7 @@ class Request:
 
     @property
     def prompt_embeds(self) -> object:
-        """Prompt embeddings; ``BlockHasher`` refuses requests that have them."""
+        """Prompt embeddings; ``BlockHasher`` hashes no block of a request that has them."""
         return self._prompt_embeds
 
     @prompt_embeds.setter

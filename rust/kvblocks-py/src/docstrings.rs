@@ -83,8 +83,8 @@ Returns:
     The new hashes, in block order, for the caller to append.
 
 Raises:
-    TypeError: When the request has ``prompt_embeds`` (not supported), or for
-        bad token ids or extra keys.
+    TypeError: When a block is to be hashed and the request has
+        ``prompt_embeds`` (not supported), or for bad token ids or extra keys.
     ValueError: For token ids outside the int64 range or too-deep extra keys."
     };
     (BlockPool) => {
@@ -541,7 +541,7 @@ r#"Mixed into the first block's hash (``("cache_salt", salt)``) when truthy."#
 r#"Multimodal items, sorted by offset: ``("mm", identifier, offset)`` keys."#
     };
     (Request.prompt_embeds) => {
-r"Prompt embeddings; ``BlockHasher`` refuses requests that have them."
+r"Prompt embeddings; ``BlockHasher`` hashes no block of a request that has them."
     };
     (Request.num_tokens) => {
 r"Prompt plus output tokens."

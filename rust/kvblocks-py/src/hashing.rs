@@ -50,7 +50,7 @@ pub struct NativeRequest<'a, 'py> {
     pub hashes: &'a [BlockHash],
     /// Where the extra keys come from.
     pub attrs: ExtrasAttrs<'py>,
-    /// `prompt_embeds`: requests that have them are refused.
+    /// `prompt_embeds`: no block of a request that has them is hashed.
     pub prompt_embeds: Bound<'py, PyAny>,
 }
 
@@ -125,19 +125,19 @@ impl PyBlockHasher {
     /// request's extra-key attributes through Python.
     ///
     /// # Errors
-    /// `TypeError` for `prompt_embeds`, and whatever reading or checking the extra keys
-    /// raises.
+    /// `TypeError` for `prompt_embeds` when a block is to be hashed, and whatever
+    /// reading or checking the extra keys raises.
     pub fn plan(&self, request: &NativeRequest<'_, '_>) -> PyResult<Option<RequestPlan>> {
         let py = request.prompt_embeds.py();
-        if !request.prompt_embeds.is_none() {
-            return Err(embeds_error());
-        }
         let block_size = self.inner.block_size();
         let Some((start, num_blocks)) =
             new_blocks(request.hashes.len(), request.tokens.len(), block_size)
         else {
             return Ok(None);
         };
+        if !request.prompt_embeds.is_none() {
+            return Err(embeds_error());
+        }
         let parent = request
             .hashes
             .last()
@@ -182,16 +182,14 @@ impl PyBlockHasher {
     /// for step as the reference reads them (a native `Request` too).
     fn request_hashes(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
         let py = request.py();
-        if !attr_or_none(request, intern!(py, "prompt_embeds"))?.is_none() {
-            return Err(embeds_error());
-        }
         let block_size = self.inner.block_size();
+        // vLLM's read order: a decoding step that fills no block reads two fields.
+        let known = request.getattr(intern!(py, "block_hashes"))?;
+        let num_known = known.len()?;
         let num_tokens: i64 = match vllm_num_tokens(request)? {
             Some(n) => n,
             None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
         };
-        let known = request.getattr(intern!(py, "block_hashes"))?;
-        let num_known = known.len()?;
         // A negative count has no blocks.
         let Some((start, num_blocks)) = new_blocks(
             num_known,
@@ -200,6 +198,9 @@ impl PyBlockHasher {
         ) else {
             return Ok(Vec::new());
         };
+        if !attr_or_none(request, intern!(py, "prompt_embeds"))?.is_none() {
+            return Err(embeds_error());
+        }
         let last = if num_known > 0 {
             Some(known.get_item(-1)?)
         } else {

@@ -114,6 +114,10 @@ impl PyKVCacheBlocks {
         allow_none: Flag,
         group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        // Every group is empty exactly when `ids` is: a decoding step's result.
+        if allow_none.0 && group_ids.is_none() && self.ids.is_empty() {
+            return Ok(None);
+        }
         let groups = self.groups();
         let selected: Vec<&[u32]> = match group_ids {
             None => groups,
