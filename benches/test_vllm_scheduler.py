@@ -233,3 +233,33 @@ def test_hybrid_table_check_catches_a_window_not_freed() -> None:
     _table_check(driver("freed"), GPT_OSS_LIKE)
     with pytest.raises(AssertionError, match="window 128\\) holds 39 blocks at 640 tokens"):
         _table_check(driver("kept"), GPT_OSS_LIKE)
+
+
+def test_step_instructions_counts_each_scheduler_call_inside_one_toggle() -> None:
+    """``benches/step_instructions.py`` counts inside ``functools.reduce`` only: each
+    ``schedule()`` and ``update_from_output()`` of the counted steps runs inside exactly
+    one call of it, and the steps still run."""
+    import functools  # noqa: PLC0415 (this test alone)
+
+    import step_instructions  # noqa: PLC0415 (benches/ is on sys.path for its tests only)
+
+    calls: list[str] = []
+
+    def reduce(function: Any, items: Any, initial: Any) -> Any:
+        calls.append(function.__code__.co_name)
+        return functools.reduce(function, items, initial)
+
+    driver = vllm_scheduler.vllm_scheduler(32, steps=8, kvblocks_cls=_stock()).vllm_setup()  # type: ignore[misc]
+    before = len(driver.scheduled)
+    step_instructions.count_steps(driver, 3, reduce)
+    assert len(driver.scheduled) == before + 3
+    assert len(calls) == 6
+
+
+def test_step_instructions_reads_callgrinds_count() -> None:
+    import step_instructions  # noqa: PLC0415 (benches/ is on sys.path for its tests only)
+
+    stderr = "==1== Events    : Ir\n==1== Collected : 878812216\n==1==\n==1== I   refs:  9\n"
+    assert step_instructions.collected(stderr) == 878_812_216
+    with pytest.raises(RuntimeError, match="no count in valgrind's output"):
+        step_instructions.collected("==1== I   refs:  9\n")
