@@ -153,6 +153,27 @@ def test_group_is_registered() -> None:
     assert full[-2:] == ["vllm_scheduler_gpt_oss_256", "vllm_scheduler_gemma3_256"]
 
 
+@needs_kvblocks_vllm
+def test_group_is_absent_on_a_newer_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a vLLM newer than the newest supported, kvblocks' schedulers run vLLM's own
+    manager: the group says so and is absent, rather than failing in every row."""
+    version_check = importlib.import_module("kvblocks.vllm._version_check")
+    monkeypatch.setattr(version_check, "installed_version", lambda: "0.99.0")
+    vllm_scheduler._probe.cache_clear()
+    try:
+        assert not vllm_scheduler.available()
+        assert vllm_scheduler.workload_specs(quick=True) == []
+        assert vllm_scheduler.status() == (
+            "vLLM 0.99.0 is newer than the vLLM kvblocks.vllm is tested with (0.31.x to "
+            "0.33.x); python -m kvblocks.vllm.check lists what changed; kvblocks' schedulers "
+            "run vLLM's own manager there"
+        )
+    finally:
+        monkeypatch.undo()
+        vllm_scheduler._probe.cache_clear()
+    assert vllm_scheduler.available()
+
+
 # --------------------------------------------------------------------------- hybrid rows
 
 _FALLBACK = "FALLBACK, not a kvblocks measurement"

@@ -159,6 +159,10 @@ def _probe() -> tuple[bool, str]:
         importlib.import_module("kvblocks.vllm").KVBlocksScheduler  # noqa: B018
     except Exception as exc:  # any failure means "not available"
         return False, f"kvblocks.vllm is not importable here ({type(exc).__name__}: {exc})"
+    # On a newer vLLM kvblocks' schedulers run vLLM's own manager: no comparison to make.
+    newer = importlib.import_module("kvblocks.vllm._version_check").newer_version_reason()
+    if newer is not None:
+        return False, f"{newer}; kvblocks' schedulers run vLLM's own manager there"
     return True, f"{vllm_runner.status()}, kvblocks.vllm.KVBlocksScheduler"
 
 
