@@ -9,11 +9,15 @@ Skipped unless vLLM is importable. The harness itself is checked with vLLM's own
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+# benches/, where this file is, is on sys.path for its tests.
+import step_instructions
 from kvblocks import bench
 from kvblocks.bench import BenchResult, vllm_scheduler
 from kvblocks.bench.workload import Workload, WorkloadSpec
@@ -260,10 +264,6 @@ def test_step_instructions_counts_each_scheduler_call_inside_one_toggle() -> Non
     """``benches/step_instructions.py`` counts inside ``functools.reduce`` only: each
     ``schedule()`` and ``update_from_output()`` of the counted steps runs inside exactly
     one call of it, and the steps still run."""
-    import functools  # noqa: PLC0415 (this test alone)
-
-    import step_instructions  # noqa: PLC0415 (benches/ is on sys.path for its tests only)
-
     calls: list[str] = []
 
     def reduce(function: Any, items: Any, initial: Any) -> Any:
@@ -278,8 +278,6 @@ def test_step_instructions_counts_each_scheduler_call_inside_one_toggle() -> Non
 
 
 def test_step_instructions_reads_callgrinds_count() -> None:
-    import step_instructions  # noqa: PLC0415 (benches/ is on sys.path for its tests only)
-
     stderr = "==1== Events    : Ir\n==1== Collected : 878812216\n==1==\n==1== I   refs:  9\n"
     assert step_instructions.collected(stderr) == 878_812_216
     with pytest.raises(RuntimeError, match="no count in valgrind's output"):
